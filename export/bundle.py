@@ -1,0 +1,60 @@
+"""Writing a bundle: a folder a user copies to a device.
+
+Everything is written into a temporary sibling folder and renamed into place at the
+end, so an interrupted export never leaves a folder that looks like a valid bundle.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST = "dflash.json"
+
+
+@contextlib.contextmanager
+def staging(out: Path, overwrite: bool):
+    """Yield a temporary folder; on success it replaces `out`, on failure it is removed."""
+    out = out.resolve()
+    if out.exists() and not overwrite:
+        raise FileExistsError(f"{out} already exists; pass --overwrite to replace it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.partial")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if out.exists():
+        shutil.rmtree(out)
+    tmp.rename(out)
+
+
+def write_tokenizer(tokenizer, folder: Path) -> dict:
+    """tokenizer.json and the chat template, and the manifest fields that describe them."""
+    tokenizer.backend_tokenizer.save(str(folder / "tokenizer.json"))
+    fields = {"tokenizer": "tokenizer.json", "chat_template": None,
+              "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token}
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, str) and template:
+        (folder / "chat_template.jinja").write_text(template)
+        fields["chat_template"] = "chat_template.jinja"
+    return fields
+
+
+def eos_token_ids(model, tokenizer) -> list[int]:
+    ids = model.generation_config.eos_token_id if model.generation_config else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None:
+        ids.append(tokenizer.eos_token_id)
+    return sorted(set(ids))
+
+
+def write_manifest(folder: Path, manifest: dict) -> None:
+    manifest = {"format_version": FORMAT_VERSION, **manifest}
+    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")

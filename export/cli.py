@@ -1,0 +1,113 @@
+"""`dflash-export`: turn a Hugging Face causal LM into a dflash bundle."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from .quantize import DTYPES
+from .sources import SourceError
+
+
+class Progress:
+    """Numbered steps with elapsed time, so a long export never looks stuck."""
+
+    def __init__(self, total: int):
+        self.total, self.step, self.start = total, 0, time.perf_counter()
+
+    def __call__(self, what: str) -> None:
+        self.step += 1
+        elapsed = time.perf_counter() - self.start
+        click.echo(f"[{self.step}/{self.total} {elapsed:6.1f}s] {what}", err=True)
+
+
+def parse_taps(text: str, num_layers: int) -> list[int]:
+    from .target import default_taps
+
+    if text == "auto":
+        return default_taps(num_layers)
+    try:
+        taps = sorted({int(t) for t in text.split(",") if t.strip()})
+    except ValueError:
+        raise click.BadParameter(f"--taps takes 'auto' or layer ids like 1,8,14; got {text!r}")
+    bad = [t for t in taps if not 0 <= t < num_layers]
+    if bad or not taps:
+        raise click.BadParameter(f"--taps {text!r}: layer ids must lie in 0..{num_layers - 1}")
+    return taps
+
+
+@click.group()
+def main():
+    """Export models into a dflash bundle (a folder the runtime loads)."""
+
+
+@main.command()
+@click.argument("src")
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="bundle folder to write")
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
+@click.option("--max-len", type=int, default=2048, show_default=True, help="KV-cache capacity in tokens")
+@click.option("--taps", default="auto", show_default=True, help="tap layer ids for a drafter, or 'auto'")
+@click.option("--attention", type=click.Choice(["gqa", "custom"]), default="gqa", show_default=True)
+@click.option("--overwrite", is_flag=True, help="replace an existing bundle folder")
+def target(src, out, dtype, max_len, taps, attention, overwrite):
+    """Export the target model SRC: a Hugging Face model folder, a .gguf file, or 'default'."""
+    try:
+        export_target(src, out, dtype, max_len, taps, attention, overwrite)
+    except (SourceError, FileExistsError) as e:
+        raise click.ClickException(str(e))
+
+
+def export_target(src, out, dtype="fp32", max_len=2048, taps="auto", attention="gqa", overwrite=False):
+    from . import sources
+    from .bundle import eos_token_ids, staging, write_manifest, write_tokenizer
+    from .check import check_target
+    from .quantize import quantize
+    from .target import export_onnx, kv_layout
+
+    progress = Progress(5 if dtype == "fp32" else 6)
+    progress(f"loading {src}")
+    source = sources.load(src)
+    config = source.model.config
+    if max_len < 2:
+        raise SourceError(f"--max-len {max_len} is too small; give the KV-cache capacity in tokens")
+    tap_ids = parse_taps(taps, config.num_hidden_layers)
+    with staging(Path(out), overwrite) as folder:
+        progress(f"exporting the {source.architecture} target graph "
+                 f"({sum(p.numel() for p in source.model.parameters()) / 1e6:.0f}M parameters, "
+                 f"attention {attention}, capacity {max_len})")
+        fp32_path = folder / "target.onnx"
+        export_onnx(source.model, tap_ids, max_len, attention, fp32_path)
+        graph = "target.onnx"
+        if dtype != "fp32":
+            progress(f"quantizing to {dtype} (MatMulNBits)")
+            graph = f"target_{dtype}.onnx"
+            quantize(fp32_path, folder / graph, dtype)
+            fp32_path.unlink()
+            (folder / "target.onnx.data").unlink()
+        progress("writing tokenizer and manifest")
+        manifest = {
+            "model_id": source.model_id, "source": source.path, "architecture": source.architecture,
+            "graphs": {"target": {"file": graph, "dtype": dtype}},
+            "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
+            "max_len": max_len, "kv": kv_layout(config), "taps": tap_ids,
+            "attention": attention, "ops_library": "dflash_ops" if attention == "custom" else None,
+            "eos_token_ids": eos_token_ids(source.model, source.tokenizer),
+            "block_size": None, "mask_token_id": None,
+            **write_tokenizer(source.tokenizer, folder),
+        }
+        write_manifest(folder, manifest)
+        progress("checking ONNX Runtime against torch on random inputs")
+        diff = check_target(source.model, tap_ids, folder)
+        click.echo(f"  max |logits(ORT) - logits(torch)| = {diff['logits']:.3g}, "
+                   f"taps {diff['taps']:.3g}", err=True)
+        manifest["export_check"] = diff
+        write_manifest(folder, manifest)
+    progress(f"bundle written to {out}")
+    return manifest
+
+
+if __name__ == "__main__":
+    sys.exit(main())

