@@ -21,6 +21,6 @@ def check_target(model, taps: list[int], bundle: Path, s: int = 5, past: int = 7
     feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
     logits, tapped = session.run(["logits", "taps"], feeds)
     with torch.no_grad():
-        ref_logits, ref_taps = TargetGraph(model, taps)(*inputs)[:2]
+        ref_logits, ref_taps = TargetGraph(model, taps, info.max_len)(*inputs)[:2]
     return {"logits": float(np.abs(logits - ref_logits.numpy()).max()),
             "taps": float(np.abs(tapped - ref_taps.numpy()).max())}

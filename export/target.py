@@ -11,11 +11,8 @@ Outputs  logits [1,S,V], taps [1,S,T*H] (outputs of the tap layers, concatenated
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
 
-from .attention import CacheIO, hf_attention
-
-AttentionInterface.register("dflash", hf_attention)
+from . import ops
 
 
 def default_taps(num_layers: int, count: int = 5) -> list[int]:
@@ -29,25 +26,109 @@ def default_taps(num_layers: int, count: int = 5) -> list[int]:
     return sorted(ids)
 
 
-class TargetGraph(torch.nn.Module):
-    def __init__(self, model, taps: list[int]):
+def _fuse_linears(*linears) -> torch.nn.Linear:
+    """One Linear computing several that share an input (one MatMul instead of many)."""
+    weight = torch.cat([m.weight for m in linears], dim=0)
+    has_bias = [m.bias is not None for m in linears]
+    fused = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=any(has_bias))
+    fused.weight = torch.nn.Parameter(weight, requires_grad=False)
+    if any(has_bias):
+        bias = [m.bias if m.bias is not None else torch.zeros(m.out_features) for m in linears]
+        fused.bias = torch.nn.Parameter(torch.cat(bias), requires_grad=False)
+    return fused
+
+
+class DecoderLayer(torch.nn.Module):
+    """A Llama-family decoder layer (Llama, Qwen2, Qwen3) over the cached-attention op,
+    built from the Hugging Face layer's own weights."""
+
+    def __init__(self, layer, config):
         super().__init__()
-        self.model = model
+        attn, mlp = layer.self_attn, layer.mlp
+        self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        self.head_dim = attn.head_dim
+        self.scale = float(attn.scaling)
+        self.eps = float(config.rms_norm_eps)
+        self.qkv = _fuse_linears(attn.q_proj, attn.k_proj, attn.v_proj)
+        self.o_proj = attn.o_proj
+        self.q_norm, self.k_norm = getattr(attn, "q_norm", None), getattr(attn, "k_norm", None)
+        self.gate_up = _fuse_linears(mlp.gate_proj, mlp.up_proj)
+        self.down = mlp.down_proj
+        self.act = mlp.act_fn
+        self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
+        self.split = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+
+    def _head_norm(self, norm, x, heads):
+        if norm is None:
+            return x
+        s = x.shape[1]
+        return ops.rms_norm(x.view(1, s, heads, self.head_dim), norm.weight, self.eps).view(1, s, -1)
+
+    def forward(self, hidden, position_ids, cos, sin, io, i):
+        x = ops.rms_norm(hidden, self.input_norm.weight, self.eps)
+        q, k, v = self.qkv(x).split(self.split, dim=-1)
+        q = ops.rotary(self._head_norm(self.q_norm, q, self.heads), position_ids, cos, sin, self.heads)
+        k = ops.rotary(self._head_norm(self.k_norm, k, self.kv_heads), position_ids, cos, sin, self.kv_heads)
+        attn, io.key_out[i], io.value_out[i] = ops.cached_attention(
+            q, k, v, io.key_caches[i], io.value_caches[i], io.past_len, io.mask,
+            self.scale, self.heads, self.kv_heads)
+        hidden = hidden + self.o_proj(attn)
+        x = ops.rms_norm(hidden, self.post_norm.weight, self.eps)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return hidden + self.down(self.act(gate) * up)
+
+
+class CacheIO:
+    """The caches one forward reads and the updated caches it returns."""
+
+    def __init__(self, caches, past_len, mask):
+        self.key_caches, self.value_caches = caches[0::2], caches[1::2]
+        self.past_len, self.mask = past_len, mask
+        self.key_out = [None] * len(self.key_caches)
+        self.value_out = [None] * len(self.key_caches)
+
+
+def rotary_tables(model, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [max_len, D/2] from the model's own rotary module (any rope scaling)."""
+    positions = torch.arange(max_len).unsqueeze(0)
+    dummy = torch.zeros(1, dtype=torch.float32)
+    cos, sin = model.model.rotary_emb(dummy, positions)
+    half = cos.shape[-1] // 2
+    return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
+
+
+class TargetGraph(torch.nn.Module):
+    def __init__(self, model, taps: list[int], max_len: int):
+        super().__init__()
+        config = model.config
+        if config.hidden_act not in ("silu", "swish"):
+            raise ValueError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+        if getattr(config, "use_sliding_window", False):
+            raise ValueError("sliding-window attention is not supported; export a full-attention model")
+        self.embed, self.norm = model.model.embed_tokens, model.model.norm
+        # A [H, V] weight of its own: a plain MatMul over an initializer, which the int4/int8
+        # quantizer can rewrite even when the model ties lm_head to the embedding.
+        self.lm_head = torch.nn.Parameter(model.lm_head.weight.detach().t().contiguous(), requires_grad=False)
+        self.lm_head_bias = getattr(model.lm_head, "bias", None)
+        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config) for layer in model.model.layers)
+        self.eps = float(config.rms_norm_eps)
         self.taps = list(taps)
-        model.config._attn_implementation = "dflash"
+        cos, sin = rotary_tables(model, max_len)
+        self.register_buffer("cos", cos)
+        self.register_buffer("sin", sin)
 
     def forward(self, input_ids, position_ids, tree_mask, past_len, *caches):
-        inner = self.model.model
-        io = CacheIO(caches[0::2], caches[1::2], past_len, tree_mask)
-        hidden = inner.embed_tokens(input_ids)
-        rotary = inner.rotary_emb(hidden, position_ids)
+        io = CacheIO(caches, past_len, tree_mask)
+        hidden = self.embed(input_ids)
         tapped = []
-        for i, layer in enumerate(inner.layers):
-            hidden = layer(hidden, position_embeddings=rotary, position_ids=position_ids, dflash_io=io)
+        for i, layer in enumerate(self.layers):
+            hidden = layer(hidden, position_ids, self.cos, self.sin, io, i)
             if i in self.taps:
                 tapped.append(hidden)
-        logits = self.model.lm_head(inner.norm(hidden))
-        presents = [t for pair in io.presents for t in pair]
+        logits = ops.rms_norm(hidden, self.norm.weight, self.eps) @ self.lm_head
+        if self.lm_head_bias is not None:
+            logits = logits + self.lm_head_bias
+        presents = [t for pair in zip(io.key_out, io.value_out) for t in pair]
         return (logits, torch.cat(tapped, dim=-1), *presents)
 
 
@@ -77,9 +158,7 @@ def example_inputs(config, max_len: int, s: int = 3, past: int = 2, seed: int = 
 
 def export_onnx(model, taps: list[int], max_len: int, attention: str, path) -> None:
     """torch.onnx.export(dynamo=True) of the target graph into `path` (+ external data)."""
-    from .attention import translation_table
-
-    graph = TargetGraph(model, taps).eval()
+    graph = TargetGraph(model, taps, max_len).eval()
     n = model.config.num_hidden_layers
     past, present = cache_names(n)
     s = torch.export.Dim("S", min=1, max=max_len)
@@ -93,7 +172,7 @@ def export_onnx(model, taps: list[int], max_len: int, attention: str, path) -> N
             exported, dynamo=True,
             input_names=["input_ids", "position_ids", "tree_mask", "past_len", *past],
             output_names=["logits", "taps", *present],
-            custom_translation_table=translation_table(attention),
+            custom_translation_table=ops.translation_table(attention),
             optimize=True, verbose=False,
         )
     program.save(str(path), external_data=True)

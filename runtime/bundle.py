@@ -38,7 +38,7 @@ def load_bundle(folder) -> Bundle:
     path = folder / MANIFEST
     if not folder.is_dir():
         raise BundleError(f"bundle folder {folder} does not exist; export one with "
-                          "`dflash-export target default --out {folder}`")
+                          f"`dflash-export target default --out {folder}`")
     if not path.is_file():
         raise BundleError(f"{path} is missing: {folder} is not a dflash bundle "
                           "(or its export did not finish); export it again with dflash-export")

@@ -62,22 +62,37 @@ class Model:
         self.capacity = self.bundle.max_len
         self._busy = threading.Lock()
 
-    def encode(self, prompt: str | None = None, messages: list[dict] | None = None) -> list[int]:
-        if (prompt is None) == (messages is None):
-            raise ValueError("give exactly one of prompt= or messages=")
-        ids = self.codec.encode_prompt(prompt) if messages is None else self.codec.encode_chat(messages)
+    def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
+               input_ids: list[int] | None = None) -> list[int]:
+        """Token ids of a plain prompt, chat messages (the model's template), or ids as given."""
+        if sum(x is not None for x in (prompt, messages, input_ids)) != 1:
+            raise ValueError("give exactly one of prompt=, messages= or input_ids=")
+        if input_ids is not None:
+            ids = [int(i) for i in input_ids]
+            bad = [i for i in ids if not 0 <= i < self.bundle.vocab_size]
+            if bad:
+                raise ValueError(f"input_ids holds {bad[0]}, outside the vocabulary 0..{self.bundle.vocab_size - 1}")
+        elif messages is not None:
+            ids = self.codec.encode_chat(messages)
+        else:
+            ids = self.codec.encode_prompt(prompt)
         if not ids:
             raise ValueError("the prompt is empty: it encodes to no tokens")
         return ids
 
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
-               max_new_tokens: int = 128, temperature: float = 0.0, top_k: int = 0,
-               top_p: float = 1.0, seed: int | None = None, stop=None) -> "Generation":
-        """An iterator of text pieces; its `.result` holds tokens, finish reason and stats."""
-        ids = self.encode(prompt, messages)
+               input_ids: list[int] | None = None, max_new_tokens: int = 128,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
+               seed: int | None = None, stop=None, ignore_eos: bool = False) -> "Generation":
+        """An iterator of text pieces; its `.result` holds tokens, finish reason and stats.
+
+        temperature 0 is greedy decoding; `stop` is a string or a list of strings that end
+        the text (not included); `ignore_eos` decodes past EOS up to max_new_tokens."""
+        ids = self.encode(prompt, messages, input_ids)
         params = SamplingParams(temperature, top_k, top_p, seed)
         self._check_length(len(ids), max_new_tokens)
-        return Generation(self, ids, params, max_new_tokens, stop)
+        eos = set() if ignore_eos else self.eos_ids
+        return Generation(self, ids, params, max_new_tokens, stop, eos)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Result:
         generation = self.stream(prompt, **kwargs)
@@ -118,8 +133,9 @@ class Model:
 class Generation:
     """One generation in progress: iterate for text pieces, then read `.result`."""
 
-    def __init__(self, model: Model, ids: list[int], params: SamplingParams, max_new_tokens: int, stop):
-        self.model, self.ids, self.params = model, ids, params
+    def __init__(self, model: Model, ids: list[int], params: SamplingParams, max_new_tokens: int,
+                 stop, eos_ids: set[int]):
+        self.model, self.ids, self.params, self.eos_ids = model, ids, params, eos_ids
         self.max_new_tokens = max_new_tokens
         self.stops = StopMatcher(stop)
         self.result = Result(stats=Stats(prompt_tokens=len(ids)))
@@ -146,7 +162,7 @@ class Generation:
             first_token_at = first_token_at or time.perf_counter()
             for token in chunk:
                 result.tokens.append(token)
-                if token in self.model.eos_ids:
+                if token in self.eos_ids:
                     result.finish_reason = "stop"
                     break
                 piece, stopped = self.stops.feed(decoder.push([token]))

@@ -1,0 +1,171 @@
+"""Torch ops that export to single ONNX Runtime nodes.
+
+Each op has a plain torch implementation (used by the export check and tests) and
+a translation into one ONNX node, so the exported decoder has a few nodes a layer
+instead of dozens (node dispatch, not arithmetic, dominates a one-token step):
+
+- ``dflash::rms_norm``  -> ``SimplifiedLayerNormalization`` (ORT fuses the residual
+  add into ``SkipSimplifiedLayerNormalization``);
+- ``dflash::rotary``    -> ``com.microsoft.RotaryEmbedding`` over cos/sin tables;
+- ``dflash::cached_attention`` -> ``com.microsoft.GroupQueryAttention`` (``gqa``) or
+  this project's ``ai.dflash.TreeAttention`` (``custom``).  Contract for both: query
+  ``[1,S,H*D]``, key/value ``[1,S,Hkv*D]`` with rotary applied; caches ``[1,Hkv,C,D]``;
+  ``past_len`` int64 scalar; ``mask [S,S]`` bool over the new rows.  Outputs: attention
+  ``[1,S,H*D]`` and the caches with new rows written at ``past_len..past_len+S-1``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import onnx
+import torch
+from onnx.defs import OpSchema
+from onnxscript import opset18 as op
+from onnxscript.values import Opset
+
+ATTENTION_IMPLEMENTATIONS = ("gqa", "custom")
+MS_DOMAIN, DFLASH_DOMAIN = "com.microsoft", "ai.dflash"
+
+
+# ---- torch side ------------------------------------------------------------
+
+@torch.library.custom_op("dflash::rms_norm", mutates_args=())
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return weight * (x * torch.rsqrt(variance + eps))
+
+
+@rms_norm.register_fake
+def _(x, weight, eps):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash::rotary", mutates_args=())
+def rotary(x: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+           num_heads: int) -> torch.Tensor:
+    """Rotate-half rotary on x [1,S,N*D]; cos/sin tables [max_pos, D/2]."""
+    s = x.shape[1]
+    xs = x.view(1, s, num_heads, -1)
+    half = xs.shape[-1] // 2
+    c, n = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # [1,S,1,D/2]
+    x1, x2 = xs[..., :half], xs[..., half:]
+    return torch.cat([x1 * c - x2 * n, x2 * c + x1 * n], dim=-1).reshape(x.shape)
+
+
+@rotary.register_fake
+def _(x, position_ids, cos, sin, num_heads):
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash::cached_attention", mutates_args=())
+def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                     key_cache: torch.Tensor, value_cache: torch.Tensor, past_len: torch.Tensor,
+                     mask: torch.Tensor, scale: float, num_heads: int, kv_num_heads: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    past, s = int(past_len), query.shape[1]
+    head_dim = key_cache.shape[-1]
+    present_k, present_v = key_cache.clone(), value_cache.clone()
+    present_k[0, :, past : past + s] = key[0].view(s, kv_num_heads, head_dim).transpose(0, 1)
+    present_v[0, :, past : past + s] = value[0].view(s, kv_num_heads, head_dim).transpose(0, 1)
+    group = num_heads // kv_num_heads
+    k = present_k[0, :, : past + s].repeat_interleave(group, dim=0)  # [H, T, D]
+    v = present_v[0, :, : past + s].repeat_interleave(group, dim=0)
+    q = query[0].view(s, num_heads, head_dim).transpose(0, 1)  # [H, S, D]
+    visible = torch.cat([torch.ones(s, past, dtype=torch.bool), mask], dim=1)
+    scores = ((q @ k.transpose(1, 2)) * scale).masked_fill(~visible, float("-inf"))
+    out = torch.softmax(scores, dim=-1) @ v  # [H, S, D]
+    return out.transpose(0, 1).reshape(1, s, num_heads * head_dim), present_k, present_v
+
+
+@cached_attention.register_fake
+def _(query, key, value, key_cache, value_cache, past_len, mask, scale, num_heads, kv_num_heads):
+    return torch.empty_like(query), torch.empty_like(key_cache), torch.empty_like(value_cache)
+
+
+# ---- ONNX side -------------------------------------------------------------
+
+_F = OpSchema.FormalParameter
+_OPT = OpSchema.FormalParameterOption.Optional
+_INT, _FLOAT = OpSchema.AttrType.INT, OpSchema.AttrType.FLOAT
+
+
+def _schema(name, domain, inputs, outputs, types, attributes):
+    """Teach onnx an ORT contrib op's signature so onnxscript can emit it."""
+    if not onnx.defs.has(name, domain):
+        onnx.defs.register_schema(OpSchema(
+            name, domain, 1, inputs=inputs, outputs=outputs, type_constraints=types,
+            attributes=[OpSchema.Attribute(a, t, "") for a, t in attributes]))
+
+
+_schema("SimplifiedLayerNormalization", "", [_F("X", "T"), _F("scale", "T")], [_F("Y", "T")],
+        [("T", ["tensor(float)"], "")], [("axis", _INT), ("epsilon", _FLOAT)])
+_schema("RotaryEmbedding", MS_DOMAIN,
+        [_F("input", "T"), _F("position_ids", "M"), _F("cos_cache", "T"), _F("sin_cache", "T")],
+        [_F("output", "T")], [("T", ["tensor(float)"], ""), ("M", ["tensor(int64)"], "")],
+        [("interleaved", _INT), ("num_heads", _INT), ("rotary_embedding_dim", _INT), ("scale", _FLOAT)])
+_ATTENTION_ATTRS = [("num_heads", _INT), ("kv_num_heads", _INT), ("scale", _FLOAT)]
+_schema("GroupQueryAttention", MS_DOMAIN,
+        [_F("query", "T"), _F("key", "T"), _F("value", "T"),
+         _F("past_key", "T", param_option=_OPT), _F("past_value", "T", param_option=_OPT),
+         _F("seqlens_k", "M"), _F("total_sequence_length", "M"),
+         _F("cos_cache", "T", param_option=_OPT), _F("sin_cache", "T", param_option=_OPT),
+         _F("position_ids", "P", param_option=_OPT), _F("attention_bias", "T", param_option=_OPT)],
+        [_F("output", "T"), _F("present_key", "T"), _F("present_value", "T")],
+        [("T", ["tensor(float)"], ""), ("M", ["tensor(int32)"], ""), ("P", ["tensor(int64)"], "")],
+        _ATTENTION_ATTRS)
+_schema("TreeAttention", DFLASH_DOMAIN,
+        [_F("query", "T"), _F("key", "T"), _F("value", "T"), _F("key_cache", "T"),
+         _F("value_cache", "T"), _F("past_len", "I"), _F("mask", "B")],
+        [_F("output", "T"), _F("present_key", "T"), _F("present_value", "T")],
+        [("T", ["tensor(float)"], ""), ("I", ["tensor(int64)"], ""), ("B", ["tensor(bool)"], "")],
+        _ATTENTION_ATTRS)
+
+_onnx = Opset("", 1)  # SimplifiedLayerNormalization is an ORT op in the default domain
+_ms = Opset(MS_DOMAIN, 1)
+_dflash = Opset(DFLASH_DOMAIN, 1)
+
+
+def _rms_norm(x, weight, eps: float):
+    return _onnx.SimplifiedLayerNormalization(x, weight, axis=-1, epsilon=eps)
+
+
+def _rotary(x, position_ids, cos, sin, num_heads: int):
+    return _ms.RotaryEmbedding(x, position_ids, cos, sin, interleaved=0, num_heads=num_heads)
+
+
+def _gqa(query, key, value, key_cache, value_cache, past_len, mask,
+         scale: float, num_heads: int, kv_num_heads: int):
+    # GQA masks causally itself and adds attention_bias [1,1,S,past+S]: 0 where a new row
+    # may look, -inf where the tree mask forbids it.  Everything here derives from
+    # (mask, past_len) alone, so ORT's common-subexpression pass builds it once, not per layer.
+    s = op.Shape(mask, start=0, end=1)
+    past = op.Reshape(past_len, op.Constant(value_ints=[1]))
+    total = op.Add(past, s)
+    seqlens_k = op.Cast(op.Sub(total, op.Constant(value_ints=[1])), to=onnx.TensorProto.INT32)
+    total_len = op.Cast(op.Squeeze(total), to=onnx.TensorProto.INT32)
+    seen = op.ConstantOfShape(op.Concat(s, past, axis=0),
+                              value=onnx.helper.make_tensor("zero", onnx.TensorProto.FLOAT, [1], [0.0]))
+    new = op.Where(mask, op.Constant(value_float=0.0), op.Constant(value_float=-math.inf))
+    bias = op.Unsqueeze(op.Concat(seen, new, axis=1), op.Constant(value_ints=[0, 1]))
+    return _ms.GroupQueryAttention(query, key, value, key_cache, value_cache, seqlens_k, total_len,
+                                   None, None, None, bias,
+                                   num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale)
+
+
+def _tree_attention(query, key, value, key_cache, value_cache, past_len, mask,
+                    scale: float, num_heads: int, kv_num_heads: int):
+    return _dflash.TreeAttention(query, key, value, key_cache, value_cache, past_len, mask,
+                                 num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale)
+
+
+def translation_table(attention: str) -> dict:
+    """The `custom_translation_table` for torch.onnx.export."""
+    if attention not in ATTENTION_IMPLEMENTATIONS:
+        raise ValueError(f"unknown attention implementation {attention!r}; "
+                         f"choose one of {ATTENTION_IMPLEMENTATIONS}")
+    return {
+        torch.ops.dflash.rms_norm.default: _rms_norm,
+        torch.ops.dflash.rotary.default: _rotary,
+        torch.ops.dflash.cached_attention.default: {"gqa": _gqa, "custom": _tree_attention}[attention],
+    }

@@ -1,0 +1,189 @@
+"""`dflash-bench`: side-by-side measurements, interleaved in one run, reported as medians.
+
+    dflash-bench generate --bundle bundles/smollm2 --bundle bundles/smollm2-int4 \\
+        --prompts ../shared/eval/prompts.jsonl --max-new-tokens 128 --modes ar --hf --json out.json
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+from pathlib import Path
+
+import click
+
+
+def load_prompts(path) -> list[dict]:
+    rows = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        row = json.loads(line)
+        if "id" not in row or ("messages" in row) == ("prompt" in row):
+            raise click.ClickException(f"{path}:{n}: a row needs an id and either messages or prompt")
+        rows.append(row)
+    return rows
+
+
+def machine() -> dict:
+    import onnxruntime
+
+    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
+                if line.startswith("model name")), platform.processor())
+    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
+            "onnxruntime": onnxruntime.__version__, "date": datetime.date.today().isoformat()}
+
+
+class OrtRunner:
+    """Greedy generation with this project's runtime."""
+
+    def __init__(self, bundle, threads):
+        from dflash.runtime import Model
+
+        self.model = Model(bundle, threads=threads)
+
+    def __call__(self, row, max_new_tokens) -> dict:
+        kwargs = {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
+        result = self.model.generate(max_new_tokens=max_new_tokens, **kwargs)
+        s = result.stats
+        return {"tokens": result.tokens, "decode_s": s.decode_ms / 1e3, "prefill_s": s.prefill_ms / 1e3,
+                "prompt_tokens": s.prompt_tokens, "steps": s.steps}
+
+
+class HfRunner:
+    """transformers' own greedy generate on the bundle's source weights, same thread count."""
+
+    def __init__(self, bundle, threads):
+        import torch
+
+        from dflash.export.sources import load
+        from dflash.runtime import load_bundle
+        from dflash.runtime.text import TextCodec
+
+        torch.set_num_threads(threads)
+        self.torch = torch
+        info = load_bundle(bundle)
+        self.source = load(info.source)
+        self.codec = TextCodec(info)  # the same tokenization as ours
+        self.eos = sorted(info.eos_token_ids)
+
+    def __call__(self, row, max_new_tokens) -> dict:
+        import time
+
+        ids = (self.codec.encode_chat(row["messages"]) if "messages" in row
+               else self.codec.encode_prompt(row["prompt"]))
+        inputs, eos = self.torch.tensor([ids]), self.eos
+        with self.torch.no_grad():
+            start = time.perf_counter()
+            self.source.model.generate(inputs, max_new_tokens=1, do_sample=False, eos_token_id=eos)
+            prefill = time.perf_counter() - start
+            start = time.perf_counter()
+            out = self.source.model.generate(inputs, max_new_tokens=max_new_tokens, do_sample=False,
+                                             eos_token_id=eos)
+            total = time.perf_counter() - start
+        tokens = out[0, len(ids):].tolist()
+        return {"tokens": tokens, "decode_s": max(total - prefill, 1e-9), "prefill_s": prefill,
+                "prompt_tokens": len(ids), "steps": len(tokens) - 1}
+
+
+def summarize(runs: dict[str, list[dict]]) -> dict:
+    """Median over prompts of decode tokens/s (tokens after the first, per decode second)."""
+    rates = [(len(r["tokens"]) - 1) / r["decode_s"] for r in runs.values() if len(r["tokens"]) > 1]
+    prefill = [r["prompt_tokens"] / r["prefill_s"] for r in runs.values()]
+    steps = sum(r["steps"] for r in runs.values())
+    accepted = sum(len(r["tokens"]) - 1 for r in runs.values())
+    tps = statistics.median(rates) if rates else 0.0
+    return {"tokens_per_s": tps, "decode_ms_per_token": 1e3 / tps if tps else None,
+            "prefill_tokens_per_s": statistics.median(prefill),
+            "mean_accept_len": accepted / steps if steps else 1.0,
+            "outputs": {pid: r["tokens"] for pid, r in runs.items()}}
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["modes"])
+    values = [report["modes"][m]["tokens_per_s"] for m in modes]
+    fig, ax = plt.subplots(figsize=(1.4 * len(modes) + 2, 3.5))
+    bars = ax.bar(modes, values, color="#3b7dd8")
+    ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylabel("decode tokens/s (median over prompts)")
+    ax.set_title(f"{report['machine']['cores']} cores, {report['threads']} threads, "
+                 f"{report['max_new_tokens']} new tokens")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+@click.group()
+def main():
+    """Benchmarks: every ratio comes from one interleaved run."""
+
+
+@main.command()
+@click.option("--bundle", "bundles", multiple=True, required=True,
+              help="bundle folder; repeat to compare bundles (modes get a -DTYPE suffix)")
+@click.option("--prompts", required=True, type=click.Path(exists=True), help="JSONL prompt file")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--modes", default="ar", show_default=True, help="comma-separated decoding modes")
+@click.option("--hf", is_flag=True, help="add transformers' greedy generate as mode 'hf'")
+@click.option("--threads", type=int, default=len(os.sched_getaffinity(0)), show_default=True)
+@click.option("--repeats", default=1, show_default=True, help="runs per prompt (median taken)")
+@click.option("--json", "json_out", type=click.Path(), help="write the report here")
+@click.option("--plot", "plot_out", type=click.Path(), help="write a PNG bar chart here")
+def generate(bundles, prompts, max_new_tokens, modes, hf, threads, repeats, json_out, plot_out):
+    """Decode tokens/s per mode on a prompt file, with outputs checked against `ar`."""
+    from dflash.runtime import load_bundle
+
+    rows = load_prompts(prompts)
+    runners = {}
+    for i, bundle in enumerate(bundles):
+        suffix = "" if i == 0 else f"-{load_bundle(bundle).graphs['target']['dtype']}"
+        for mode in modes.split(","):
+            if mode != "ar":
+                raise click.BadParameter(f"unknown mode {mode!r}; available: ar", param_hint="--modes")
+            runners[mode + suffix] = OrtRunner(bundle, threads)
+    if hf:
+        runners["hf"] = HfRunner(bundles[0], threads)
+    for runner in runners.values():  # warm-up
+        runner(rows[0], 8)
+    results = {name: {} for name in runners}
+    with click.progressbar(length=len(rows) * repeats * len(runners), label="generating",
+                           file=sys.stderr) as bar:
+        for row in rows:
+            trials = {name: [] for name in runners}
+            for _ in range(repeats):
+                for name, runner in runners.items():  # interleaved: A, B, A, B, ...
+                    trials[name].append(runner(row, max_new_tokens))
+                    bar.update(1)
+            for name, runs in trials.items():
+                runs.sort(key=lambda r: (len(r["tokens"]) - 1) / r["decode_s"])
+                results[name][row["id"]] = runs[len(runs) // 2]
+    report = {"machine": machine(), "threads": threads, "max_new_tokens": max_new_tokens,
+              "prompts": str(prompts), "bundles": list(bundles),
+              "modes": {name: summarize(runs) for name, runs in results.items()}}
+    base = report["modes"]["ar"]
+    report["speedup"] = {name: m["tokens_per_s"] / base["tokens_per_s"] for name, m in report["modes"].items()}
+    report["lossless"] = {name: m["outputs"] == base["outputs"] for name, m in report["modes"].items()}
+    _print_table(report)
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=1))
+    if plot_out:
+        plot(report, plot_out)
+
+
+def _print_table(report: dict) -> None:
+    click.echo(f"{'mode':14s} {'tok/s':>8s} {'speedup':>8s} {'prefill tok/s':>14s} {'same as ar':>11s}")
+    for name, m in report["modes"].items():
+        click.echo(f"{name:14s} {m['tokens_per_s']:8.1f} {report['speedup'][name]:7.2f}x "
+                   f"{m['prefill_tokens_per_s']:14.0f} {str(report['lossless'][name]):>11s}")
+
+
+if __name__ == "__main__":
+    main()
