@@ -104,7 +104,9 @@ def make_mask(kind, S, rng):
 # ------------------------------------------------------------------------------------------------
 # numerics against the reference
 
-LAYOUTS = [(9, 3, 64), (32, 8, 128), (4, 4, 32)]
+# (H, Hkv, D): the two target layouts, plain multi-head, multi-query (G = 16), and G = 2 with a
+# head_dim that is not a multiple of 64.
+LAYOUTS = [(9, 3, 64), (32, 8, 128), (4, 4, 32), (16, 1, 64), (8, 4, 80)]
 
 
 @pytest.mark.parametrize("threads", [1, 2])
@@ -177,6 +179,20 @@ def test_queries_and_new_keys_differ_in_count(lib):
     ref_out, ref_pk, _ = reference(feeds, 0.2, H, Hkv)
     assert np.abs(out - ref_out).max() <= 1e-5
     np.testing.assert_array_equal(pk, ref_pk)
+
+
+@pytest.mark.parametrize("S,Skv,past,C", [(0, 3, 2, 8), (3, 0, 5, 8), (2, 0, 0, 0), (0, 0, 0, 0), (1, 1, 0, 1)])
+def test_empty_shapes(lib, S, Skv, past, C):
+    """No queries, no new rows, or an empty cache: still well defined (zeros where nothing is seen)."""
+    H, Hkv, D = 4, 2, 16
+    rng = np.random.default_rng(S + 10 * Skv)
+    feeds = random_case(rng, S, Skv, past, C, H, Hkv, D, np.ones((S, Skv), dtype=bool))
+    out, pk, pv = session(op_model(H, Hkv, D, 0.3), 2).run(None, feeds)
+    ref_out, ref_pk, ref_pv = reference(feeds, 0.3, H, Hkv)
+    assert out.shape == (1, S, H * D)
+    assert np.abs(out - ref_out).max(initial=0.0) <= 1e-5
+    np.testing.assert_array_equal(pk, ref_pk)
+    np.testing.assert_array_equal(pv, ref_pv)
 
 
 def test_rows_that_see_nothing(lib):
