@@ -147,6 +147,8 @@ class Generation:
                                "stream); finish that one first, or load one Model per thread")
         try:
             yield from self._run()
+        except GeneratorExit:  # the consumer stopped early: not an error
+            raise
         except BaseException:
             self.result.finish_reason = "error"
             raise

