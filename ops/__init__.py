@@ -1,0 +1,82 @@
+"""dflash.ops: the TreeAttention custom op library for ONNX Runtime, and its loader.
+
+The op lives in ``libdflash_ops.so`` (C++, built by ``bash ops/build.sh`` or ``make ops``).
+Typical use::
+
+    import onnxruntime as ort
+    import dflash.ops
+
+    so = ort.SessionOptions()
+    dflash.ops.register(so)          # raises OpsLibraryError with a fix if the library is missing
+    sess = ort.InferenceSession("target.onnx", so)
+
+The op's semantics are documented in ``tree_attention.cc`` and mirrored by
+``dflash.ops.reference.tree_attention``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+DOMAIN = "ai.dflash"
+OP = "TreeAttention"
+OP_VERSION = 1
+LIBRARY_NAME = "libdflash_ops.so"
+ENV_VAR = "DFLASH_OPS_LIB"
+
+_BUILD_HINT = "run `make ops` (or `bash ops/build.sh`) in the dflash-ort source tree"
+
+__all__ = ["DOMAIN", "OP", "OP_VERSION", "OpsLibraryError", "library_path", "register"]
+
+
+class OpsLibraryError(RuntimeError):
+    """The custom op library is missing or does not load into this onnxruntime."""
+
+
+def _candidates() -> list[Path]:
+    here = Path(__file__).resolve().parent
+    # the build folder of a source tree (bash ops/build.sh), or a copy shipped beside this file
+    return [here / "build" / LIBRARY_NAME, here / LIBRARY_NAME]
+
+
+def library_path() -> str:
+    """Path of the built op library: ``$DFLASH_OPS_LIB`` if set, else ``ops/build/libdflash_ops.so``
+    (or ``libdflash_ops.so`` beside this file)."""
+    env = os.environ.get(ENV_VAR)
+    if env:
+        p = Path(env)
+        if not p.is_file():
+            raise OpsLibraryError(
+                f"{ENV_VAR} points at {p}, which does not exist. Build the op library "
+                f"({_BUILD_HINT}) and point {ENV_VAR} at the built {LIBRARY_NAME}, or unset {ENV_VAR}."
+            )
+        return str(p)
+    candidates = _candidates()
+    for p in candidates:
+        if p.is_file():
+            return str(p)
+    raise OpsLibraryError(
+        f"the TreeAttention op library is not built (no {candidates[0]}): {_BUILD_HINT}, "
+        f"or set {ENV_VAR} to a built {LIBRARY_NAME}."
+    )
+
+
+def register(sess_options) -> str:
+    """Register the op library in an ``onnxruntime.SessionOptions``; returns the library path."""
+    path = library_path()
+    try:
+        sess_options.register_custom_ops_library(path)
+    except Exception as e:  # onnxruntime raises its own pybind exception types
+        try:
+            import onnxruntime
+
+            ort_version = onnxruntime.__version__
+        except Exception:  # pragma: no cover - onnxruntime is imported by the caller anyway
+            ort_version = "unknown"
+        raise OpsLibraryError(
+            f"onnxruntime {ort_version} could not load the op library {path}: {e}. "
+            f"It was probably built for another onnxruntime version or machine; rebuild it "
+            f"({_BUILD_HINT})."
+        ) from e
+    return path

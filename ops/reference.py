@@ -1,0 +1,95 @@
+"""NumPy reference of the TreeAttention op (same semantics as tree_attention.cc), for tests.
+
+Shapes (batch is always 1):
+    q        [1, S, H*D]        query, rotary already applied
+    k, v     [1, S_kv, Hkv*D]   the new key/value rows, rotary already applied to k
+    k_cache  [1, Hkv, C, D]     cache buffers; rows < past_len are valid
+    v_cache  [1, Hkv, C, D]
+    past_len int, or an int array of shape [] or [1]
+    mask     bool [S, S_kv]     query row i may attend new row j iff mask[i, j]
+
+Returns (out [1, S, H*D], present_k, present_v), all float32. The presents are copies of the caches
+with the new rows written at rows past_len .. past_len+S_kv-1. Query row i, head h (kv head
+h // (H // Hkv)) attends to every cache row < past_len and to the new rows its mask row allows;
+a row that sees nothing gets zeros.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def tree_attention(q, k, v, k_cache, v_cache, past_len, mask, scale, num_heads, kv_num_heads):
+    q = np.asarray(q, dtype=np.float32)
+    k = np.asarray(k, dtype=np.float32)
+    v = np.asarray(v, dtype=np.float32)
+    mask = np.asarray(mask)
+    past = int(np.asarray(past_len).reshape(-1)[0])
+    H, Hkv = int(num_heads), int(kv_num_heads)
+    if H <= 0 or Hkv <= 0 or H % Hkv:
+        raise ValueError(f"num_heads {H} must be a positive multiple of kv_num_heads {Hkv}")
+    _, S, qw = q.shape
+    _, Skv, kw = k.shape
+    if kw % Hkv:
+        raise ValueError(f"key width {kw} is not a multiple of kv_num_heads {Hkv}")
+    D = kw // Hkv
+    if qw != H * D or v.shape != k.shape:
+        raise ValueError("query/value widths do not match the heads")
+    C = k_cache.shape[2]
+    if k_cache.shape != (1, Hkv, C, D) or v_cache.shape != k_cache.shape:
+        raise ValueError("cache shape mismatch")
+    if past < 0 or past + Skv > C:
+        raise ValueError(f"past_len {past} + {Skv} new rows exceeds cache capacity {C}")
+    if mask.dtype != np.bool_ or mask.shape != (S, Skv):
+        raise ValueError("mask must be bool [S, S_kv]")
+
+    present_k = np.array(k_cache, dtype=np.float32, copy=True)
+    present_v = np.array(v_cache, dtype=np.float32, copy=True)
+    present_k[0, :, past:past + Skv, :] = k.reshape(Skv, Hkv, D).transpose(1, 0, 2)
+    present_v[0, :, past:past + Skv, :] = v.reshape(Skv, Hkv, D).transpose(1, 0, 2)
+
+    T = past + Skv
+    visible = np.concatenate([np.ones((S, past), dtype=bool), mask], axis=1)  # [S, T]
+    G = H // Hkv
+    qh = q.reshape(S, H, D).astype(np.float64)
+    out = np.zeros((S, H, D), dtype=np.float64)
+    for h in range(H):
+        g = h // G
+        keys = present_k[0, g, :T].astype(np.float64)
+        vals = present_v[0, g, :T].astype(np.float64)
+        scores = (qh[:, h, :] @ keys.T) * float(scale)  # [S, T]
+        scores = np.where(visible, scores, -np.inf)
+        row_max = scores.max(axis=1, keepdims=True) if T else np.zeros((S, 1))
+        row_max = np.where(np.isfinite(row_max), row_max, 0.0)
+        p = np.where(visible, np.exp(scores - row_max), 0.0)
+        denom = p.sum(axis=1, keepdims=True)
+        p = np.divide(p, denom, out=np.zeros_like(p), where=denom > 0)
+        out[:, h, :] = p @ vals
+    return out.reshape(1, S, H * D).astype(np.float32), present_k, present_v
+
+
+def causal_mask(S: int) -> np.ndarray:
+    """Row i sees new rows 0..i."""
+    return np.tril(np.ones((S, S), dtype=bool))
+
+
+def full_mask(S: int) -> np.ndarray:
+    """Every row sees every new row (bidirectional, e.g. the DFlash block)."""
+    return np.ones((S, S), dtype=bool)
+
+
+def tree_mask(parents) -> np.ndarray:
+    """Ancestor-or-self mask of a tree given as a parent list (-1 for a root).
+
+    Parents must come before their children (parents[i] < i), as the verify step lays them out.
+    """
+    n = len(parents)
+    m = np.zeros((n, n), dtype=bool)
+    for i, p in enumerate(parents):
+        p = int(p)
+        if p >= i or p < -1:
+            raise ValueError(f"parents[{i}] = {p}: a parent must come before its child")
+        m[i, i] = True
+        if p >= 0:
+            m[i] |= m[p]
+    return m

@@ -1,0 +1,555 @@
+// TreeAttention: attention over a fixed-capacity KV cache plus new rows under an arbitrary mask,
+// as an ONNX Runtime custom op (domain "ai.dflash", version 1).
+//
+// Inputs
+//   0 query       float [1, S, H*D]        rotary already applied
+//   1 key         float [1, S_kv, Hkv*D]   new key rows, rotary already applied
+//   2 value       float [1, S_kv, Hkv*D]   new value rows
+//   3 key_cache   float [1, Hkv, C, D]     rows < past_len are valid
+//   4 value_cache float [1, Hkv, C, D]
+//   5 past_len    int64 (or int32), shape [] or [1]
+//   6 mask        bool  [S, S_kv]          query row i may attend new row j iff mask[i, j]
+//                                          (causal, tree = ancestor-or-self, all-true = bidirectional)
+// Attributes
+//   num_heads (int, H), kv_num_heads (int, Hkv; H must be a multiple), scale (float, default
+//   1/sqrt(D)). D = key width / Hkv.
+// Outputs
+//   0 output        float [1, S, H*D]
+//   1 present_key   float [1, Hkv, C, D]
+//   2 present_value float [1, Hkv, C, D]
+//
+// Behaviour
+//   present_* = the input caches with the new rows written at rows past_len .. past_len+S_kv-1.
+//   When a present output is the same memory as its cache input (IOBinding of one buffer to both,
+//   the normal case), only the new rows are written, in place; otherwise the input cache is first
+//   copied to the output. Query row i, head h uses kv head h / (H/Hkv) and attends to every cache
+//   row < past_len plus the new rows j with mask[i, j]: softmax(scale * q.k) weighted sum of v.
+//   Cache rows >= past_len + S_kv are never read for attention. A row that sees nothing (mask
+//   row all false, past_len 0) gets zeros.
+//   Bad shapes, types or lengths make the op return an error status naming the problem; it never
+//   reads or writes out of bounds.
+//
+// Implementation: the work is split into items (kv head, group of query rows, chunk of key rows);
+// an item runs all H/Hkv query heads of its kv head together so each K/V row is loaded once per
+// group, in blocks of kKeyBlock rows with a one-pass online softmax. Items run on ORT's intra-op
+// thread pool (KernelContext_ParallelFor). When the key range is split into chunks, a second
+// parallel pass merges the partial softmax results. The inner loops (kernels.cc) come in AVX-512,
+// AVX2 and portable versions, picked when the session creates the kernel.
+
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <limits>
+#include <mutex>
+#include <numeric>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "kernels.h"
+
+namespace dflash {
+namespace {
+
+constexpr const char* kDomain = "ai.dflash";
+constexpr const char* kOpName = "TreeAttention";
+
+// An input problem: becomes an ORT_INVALID_ARGUMENT status.
+struct OpError : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::ostringstream os;
+  os << "TreeAttention: ";
+  (os << ... << args);
+  throw OpError(os.str());
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? "," : "") << shape[i];
+  os << "]";
+  return os.str();
+}
+
+// A growable, 64-byte aligned float buffer, one per thread (thread_local), so the kernel does no
+// heap allocation per call once the buffers have reached their working size.
+class Scratch {
+ public:
+  ~Scratch() { std::free(data_); }
+  float* get(size_t count) {
+    if (count > size_) {
+      std::free(data_);
+      size_ = std::max(count, size_ + size_ / 2);
+      data_ = static_cast<float*>(std::aligned_alloc(64, ((size_ * sizeof(float) + 63) / 64) * 64));
+      if (data_ == nullptr) {
+        size_ = 0;
+        throw std::bad_alloc();
+      }
+    }
+    return data_;
+  }
+
+ private:
+  float* data_ = nullptr;
+  size_t size_ = 0;
+};
+
+const char* dtype_name(ONNXTensorElementDataType t) {
+  switch (t) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return "float32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return "float16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BFLOAT16: return "bfloat16";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_DOUBLE: return "float64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT8: return "int8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return "uint8";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: return "int32";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: return "int64";
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL: return "bool";
+    default: return "another type";
+  }
+}
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
+
+// Everything the parallel work items need.
+struct Plan {
+  const float* q;
+  const uint8_t* mask;  // [S, S_kv]
+  const float* kc;      // present_key  [Hkv, C, D], new rows already written
+  const float* vc;      // present_value
+  float* out;
+  int64_t S, Skv, H, Hkv, G, D, C, past, T;  // T = past + S_kv keys in total
+  float qscale;                              // scale * log2(e): the softmax works in base 2
+  int64_t rows_per_group, n_qgroups, n_chunks, chunk_len, vmax;
+  float* partial;  // n_chunks > 1: [Hkv][n_qgroups][n_chunks][vmax][2 + D] = (max, sum, acc)
+  const Kernels* kern;
+};
+
+// Work decomposition. Query vectors of one kv head are grouped up to ~64 per item (the K/V rows
+// are streamed once per group); if that leaves too few items to keep the pool busy, the key range
+// is split into chunks (cheap: only a small merge), then the query rows into more groups.
+// Group sizes are kept to whole SIMD widths of vectors where possible (rows * G a multiple of 16),
+// since the kernels work on 16 lanes at a time and padding lanes are wasted work.
+void make_plan(Plan& p) {
+  constexpr int64_t kVecTarget = 64;   // query vectors per item
+  constexpr int64_t kItemTarget = 16;  // enough items to balance a few threads
+  constexpr int64_t kMinChunk = 128;   // key rows per chunk when splitting
+  const int64_t S = p.S, G = p.G;
+  const int64_t lane_rows = 16 / std::gcd<int64_t>(16, G);  // rows whose G heads fill whole vectors
+  auto align_rows = [&](int64_t r) {  // round r up to whole vectors, at most S
+    return std::min(S, std::max<int64_t>(1, round_up(r, lane_rows)));
+  };
+  int64_t rows = std::max<int64_t>(1, kVecTarget / G);
+  if (rows >= lane_rows) rows = rows / lane_rows * lane_rows;
+  rows = std::min(S, rows);
+  int64_t nq = ceil_div(S, rows);
+  int64_t nc = 1;
+  if (p.Hkv * nq < kItemTarget) {
+    const int64_t want = ceil_div(kItemTarget, p.Hkv * nq);
+    nc = std::max<int64_t>(1, std::min(want, p.T / kMinChunk));
+  }
+  if (p.Hkv * nq * nc < kItemTarget) {
+    // Short key range: split the query rows further, down to one SIMD width of vectors per item.
+    const int64_t want_nq = ceil_div(kItemTarget, p.Hkv * nc);
+    rows = std::min(rows, align_rows(ceil_div(S, want_nq)));
+  }
+  nq = ceil_div(S, rows);
+  rows = align_rows(ceil_div(S, nq));  // even out the groups
+  nq = ceil_div(S, rows);
+  const int64_t chunk = p.T > 0 ? round_up(ceil_div(p.T, nc), kKeyBlock) : kKeyBlock;
+  nc = p.T > 0 ? ceil_div(p.T, chunk) : 1;
+  p.rows_per_group = rows;
+  p.n_qgroups = nq;
+  p.n_chunks = nc;
+  p.chunk_len = chunk;
+  p.vmax = rows * G;
+}
+
+// One work item: kv head g, query rows [i0, i1), key rows of chunk c.
+void run_item(const Plan& p, int64_t item) {
+  static thread_local Scratch scratch;
+  const int64_t c = item % p.n_chunks;
+  const int64_t qg = (item / p.n_chunks) % p.n_qgroups;
+  const int64_t g = item / (p.n_chunks * p.n_qgroups);
+  const int64_t i0 = qg * p.rows_per_group;
+  const int64_t i1 = std::min(p.S, i0 + p.rows_per_group);
+  if (i0 >= i1) return;
+  const int64_t G = p.G, D = p.D, H = p.H;
+  const int64_t V = (i1 - i0) * G;  // vector v = (row i0 + v / G, head g*G + v % G)
+  const int64_t Vp = round_up(V, 16);
+
+  float* qT = scratch.get(static_cast<size_t>(D * Vp + kKeyBlock * Vp + V * D + 3 * Vp));
+  float* s = qT + D * Vp;
+  float* acc = s + kKeyBlock * Vp;
+  float* m_run = acc + V * D;
+  float* l_run = m_run + Vp;
+  float* alpha = l_run + Vp;
+
+  // Query vectors of rows i0..i1-1, heads g*G..g*G+G-1 are contiguous in q: row i's G heads
+  // start at q + i*H*D + g*G*D. Transpose them into the lanes of qT.
+  for (int64_t v = 0; v < V; ++v) {
+    const float* src = p.q + (i0 + v / G) * H * D + (g * G + v % G) * D;
+    for (int64_t d = 0; d < D; ++d) qT[d * Vp + v] = src[d] * p.qscale;
+  }
+  for (int64_t d = 0; d < D; ++d) std::fill(qT + d * Vp + V, qT + (d + 1) * Vp, 0.0f);
+  std::fill(m_run, m_run + Vp, -std::numeric_limits<float>::infinity());
+  std::fill(l_run, l_run + Vp, 0.0f);
+  std::fill(acc, acc + V * D, 0.0f);
+
+  const float* kbase = p.kc + g * p.C * D;
+  const float* vbase = p.vc + g * p.C * D;
+  const int64_t t_begin = c * p.chunk_len;
+  int64_t t_end = std::min(p.T, t_begin + p.chunk_len);
+  // Trailing new rows that no row of this group may see are skipped (with a causal mask, the
+  // first query rows see only the first new rows: this halves the work of a long prefill).
+  auto visible_to_group = [&](int64_t t) {
+    for (int64_t i = i0; i < i1; ++i)
+      if (p.mask[i * p.Skv + (t - p.past)]) return true;
+    return false;
+  };
+  while (t_end > std::max(t_begin, p.past) && !visible_to_group(t_end - 1)) --t_end;
+  for (int64_t t0 = t_begin; t0 < t_end; t0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, t_end - t0);
+    const int64_t j_begin = std::max(t0, p.past);  // first new (masked) key row in this block
+    if (j_begin >= t0 + n) {
+      p.kern->scores(qT, Vp, D, kbase + t0 * D, n, s);
+    } else {
+      // The block holds new rows: skip it if no row of this group may see any of them.
+      bool any = t0 < p.past;
+      for (int64_t i = i0; i < i1 && !any; ++i) {
+        const uint8_t* mrow = p.mask + i * p.Skv;
+        for (int64_t t = j_begin; t < t0 + n; ++t) any |= mrow[t - p.past] != 0;
+      }
+      if (!any) continue;
+      p.kern->scores(qT, Vp, D, kbase + t0 * D, n, s);
+      // Masked (query row, new key) pairs get -inf, for all G heads of the row (lanes r*G .. r*G+G-1).
+      const float neg_inf = -std::numeric_limits<float>::infinity();
+      for (int64_t i = i0; i < i1; ++i) {
+        const uint8_t* mrow = p.mask + i * p.Skv;
+        float* lanes = s + (i - i0) * G;
+        for (int64_t t = j_begin; t < t0 + n; ++t)
+          if (!mrow[t - p.past]) std::fill(lanes + (t - t0) * Vp, lanes + (t - t0) * Vp + G, neg_inf);
+      }
+    }
+    p.kern->softmax(s, n, Vp, m_run, l_run, alpha);
+    p.kern->accumulate(s, Vp, V, n, vbase + t0 * D, D, acc, alpha);
+  }
+
+  if (p.n_chunks == 1) {
+    for (int64_t v = 0; v < V; ++v) {
+      float* dst = p.out + (i0 + v / G) * H * D + (g * G + v % G) * D;
+      const float inv = l_run[v] > 0.0f ? 1.0f / l_run[v] : 0.0f;
+      for (int64_t d = 0; d < D; ++d) dst[d] = acc[v * D + d] * inv;
+    }
+  } else {
+    const int64_t rec = 2 + D;
+    float* base = p.partial + ((g * p.n_qgroups + qg) * p.n_chunks + c) * p.vmax * rec;
+    for (int64_t v = 0; v < V; ++v) {
+      float* r = base + v * rec;
+      r[0] = m_run[v];
+      r[1] = l_run[v];
+      std::memcpy(r + 2, acc + v * D, static_cast<size_t>(D) * sizeof(float));
+    }
+  }
+}
+
+// Merge the per-chunk partial results of (kv head g, query group qg) into the output.
+void merge_item(const Plan& p, int64_t item) {
+  const int64_t qg = item % p.n_qgroups;
+  const int64_t g = item / p.n_qgroups;
+  const int64_t i0 = qg * p.rows_per_group;
+  const int64_t i1 = std::min(p.S, i0 + p.rows_per_group);
+  const int64_t G = p.G, D = p.D, rec = 2 + D;
+  const float* base = p.partial + (g * p.n_qgroups + qg) * p.n_chunks * p.vmax * rec;
+  for (int64_t v = 0; v < (i1 - i0) * G; ++v) {
+    float* dst = p.out + (i0 + v / G) * p.H * D + (g * G + v % G) * D;
+    float mx = -std::numeric_limits<float>::infinity();
+    for (int64_t c = 0; c < p.n_chunks; ++c) mx = std::max(mx, base[(c * p.vmax + v) * rec]);
+    std::fill(dst, dst + D, 0.0f);
+    if (mx == -std::numeric_limits<float>::infinity()) continue;  // saw nothing: zeros
+    float total = 0.0f;
+    for (int64_t c = 0; c < p.n_chunks; ++c) {
+      const float* r = base + (c * p.vmax + v) * rec;
+      if (r[1] == 0.0f) continue;
+      const float w = std::exp2(r[0] - mx);
+      total += r[1] * w;
+      for (int64_t d = 0; d < D; ++d) dst[d] += r[2 + d] * w;
+    }
+    const float inv = total > 0.0f ? 1.0f / total : 0.0f;
+    for (int64_t d = 0; d < D; ++d) dst[d] *= inv;
+  }
+}
+
+// ParallelFor through the C API. The callback runs on pool threads, where an exception must not
+// escape (it would terminate the process): it is caught there and rethrown here.
+struct ParallelJob {
+  const Plan* plan;
+  void (*fn)(const Plan&, int64_t);
+  std::atomic<bool> failed{false};
+};
+
+void parallel_for(OrtKernelContext* ctx, const Plan& plan, void (*fn)(const Plan&, int64_t), int64_t n) {
+  if (n <= 0) return;
+  ParallelJob job;
+  job.plan = &plan;
+  job.fn = fn;
+  auto thunk = [](void* data, size_t i) {
+    auto* j = static_cast<ParallelJob*>(data);
+    try {
+      j->fn(*j->plan, static_cast<int64_t>(i));
+    } catch (...) {
+      j->failed = true;
+    }
+  };
+  Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(ctx, thunk, static_cast<size_t>(n), 0, &job));
+  if (job.failed) throw std::runtime_error("out of memory for the attention scratch buffers");
+}
+
+// Copy the whole input cache into a distinct output buffer, one kv head per task.
+struct CopyJob {
+  const float* src;
+  float* dst;
+  size_t per_head;
+};
+
+void copy_cache(OrtKernelContext* ctx, const float* src, float* dst, int64_t heads, size_t per_head) {
+  if (src == dst || per_head == 0) return;
+  const size_t total = per_head * static_cast<size_t>(heads);
+  if (dst < src + total && src < dst + total) {  // overlapping but not identical: be safe
+    std::memmove(dst, src, total * sizeof(float));
+    return;
+  }
+  CopyJob job{src, dst, per_head};
+  auto thunk = [](void* data, size_t h) {
+    auto* j = static_cast<CopyJob*>(data);
+    std::memcpy(j->dst + h * j->per_head, j->src + h * j->per_head, j->per_head * sizeof(float));
+  };
+  Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(ctx, thunk, static_cast<size_t>(heads), 0, &job));
+}
+
+struct TreeAttentionKernel {
+  int64_t num_heads = 0;
+  int64_t kv_num_heads = 0;
+  float scale = 0.0f;
+  bool has_scale = false;
+  const Kernels* kern = nullptr;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    try {
+      Compute(context);
+      return nullptr;
+    } catch (const OpError& e) {
+      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+    } catch (const Ort::Exception& e) {
+      return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), (std::string("TreeAttention: ") + e.what()).c_str());
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string("TreeAttention: ") + e.what()).c_str());
+    }
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    if (ctx.GetInputCount() != 7 || ctx.GetOutputCount() != 3) fail("expects 7 inputs and 3 outputs");
+    const auto query = ctx.GetInput(0), key = ctx.GetInput(1), value = ctx.GetInput(2);
+    const auto key_cache = ctx.GetInput(3), value_cache = ctx.GetInput(4);
+    const auto past_in = ctx.GetInput(5), mask_in = ctx.GetInput(6);
+
+    const auto qshape = query.GetTensorTypeAndShapeInfo().GetShape();
+    const auto kshape = key.GetTensorTypeAndShapeInfo().GetShape();
+    const auto vshape = value.GetTensorTypeAndShapeInfo().GetShape();
+    const auto kcshape = key_cache.GetTensorTypeAndShapeInfo().GetShape();
+    const auto vcshape = value_cache.GetTensorTypeAndShapeInfo().GetShape();
+    const auto past_info = past_in.GetTensorTypeAndShapeInfo();
+    const auto mask_info = mask_in.GetTensorTypeAndShapeInfo();
+    const auto mshape = mask_info.GetShape();
+
+    const int64_t H = num_heads, Hkv = kv_num_heads;
+    if (qshape.size() != 3 || qshape[0] != 1)
+      fail("query must have shape [1, S, num_heads*head_dim], got ", shape_str(qshape));
+    if (kshape.size() != 3 || kshape[0] != 1)
+      fail("key must have shape [1, S_kv, kv_num_heads*head_dim], got ", shape_str(kshape));
+    if (vshape != kshape) fail("value shape ", shape_str(vshape), " differs from key shape ", shape_str(kshape));
+    if (kshape[2] <= 0 || kshape[2] % Hkv != 0)
+      fail("key width ", kshape[2], " is not a positive multiple of kv_num_heads ", Hkv);
+    const int64_t S = qshape[1], Skv = kshape[1], D = kshape[2] / Hkv;
+    if (qshape[2] != H * D)
+      fail("query width ", qshape[2], " != num_heads ", H, " * head_dim ", D, " (head_dim = key width ",
+           kshape[2], " / kv_num_heads ", Hkv, ")");
+    if (kcshape.size() != 4 || kcshape[0] != 1 || kcshape[1] != Hkv || kcshape[3] != D)
+      fail("key_cache must have shape [1, ", Hkv, ", capacity, ", D, "], got ", shape_str(kcshape));
+    if (vcshape != kcshape)
+      fail("value_cache shape ", shape_str(vcshape), " differs from key_cache shape ", shape_str(kcshape));
+    const int64_t C = kcshape[2];
+
+    if (past_info.GetElementCount() != 1 || past_info.GetShape().size() > 1)
+      fail("past_len must be a scalar (shape [] or [1]), got shape ", shape_str(past_info.GetShape()));
+    int64_t past = 0;
+    switch (past_info.GetElementType()) {
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: past = past_in.GetTensorData<int64_t>()[0]; break;
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: past = past_in.GetTensorData<int32_t>()[0]; break;
+      default: fail("past_len must be int64 (or int32), got ", dtype_name(past_info.GetElementType()));
+    }
+    if (past < 0) fail("past_len ", past, " is negative");
+    if (past > C - Skv) fail("past_len ", past, " + ", Skv, " new rows exceeds cache capacity ", C);
+
+    if (mask_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL)
+      fail("mask must be bool, got ", dtype_name(mask_info.GetElementType()));
+    if (mshape.size() != 2 || mshape[0] != S || mshape[1] != Skv)
+      fail("mask must have shape [S, S_kv] = [", S, ", ", Skv, "], got ", shape_str(mshape));
+
+    auto out_v = ctx.GetOutput(0, qshape);
+    auto pk_v = ctx.GetOutput(1, kcshape);
+    auto pv_v = ctx.GetOutput(2, vcshape);
+    float* out = out_v.GetTensorMutableData<float>();
+    float* pk = pk_v.GetTensorMutableData<float>();
+    float* pv = pv_v.GetTensorMutableData<float>();
+    const float* kc = key_cache.GetTensorData<float>();
+    const float* vc = value_cache.GetTensorData<float>();
+
+    // present = cache: nothing to do when IOBinding gave us the same buffer, else copy it over.
+    const size_t per_head = static_cast<size_t>(C * D);
+    copy_cache(context, kc, pk, Hkv, per_head);
+    copy_cache(context, vc, pv, Hkv, per_head);
+
+    // Write the new rows: key row j, kv head g -> present row past + j of head g.
+    const float* knew = key.GetTensorData<float>();
+    const float* vnew = value.GetTensorData<float>();
+    for (int64_t g = 0; g < Hkv; ++g)
+      for (int64_t j = 0; j < Skv; ++j) {
+        const int64_t dst = (g * C + past + j) * D, src = j * Hkv * D + g * D;
+        std::memcpy(pk + dst, knew + src, static_cast<size_t>(D) * sizeof(float));
+        std::memcpy(pv + dst, vnew + src, static_cast<size_t>(D) * sizeof(float));
+      }
+    if (S == 0) return;
+
+    Plan plan{};
+    plan.q = query.GetTensorData<float>();
+    plan.mask = reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>());
+    plan.kc = pk;
+    plan.vc = pv;
+    plan.out = out;
+    plan.S = S;
+    plan.Skv = Skv;
+    plan.H = H;
+    plan.Hkv = Hkv;
+    plan.G = H / Hkv;
+    plan.D = D;
+    plan.C = C;
+    plan.past = past;
+    plan.T = past + Skv;
+    const float sc = has_scale ? scale : 1.0f / std::sqrt(static_cast<float>(D));
+    plan.qscale = sc * 1.4426950408889634f;  // log2(e)
+    plan.kern = kern;
+    make_plan(plan);
+
+    const int64_t n_groups = Hkv * plan.n_qgroups;
+    if (plan.n_chunks > 1) {
+      // Partial results live in the calling thread's scratch; pool threads only write into it.
+      static thread_local Scratch partial;
+      plan.partial = partial.get(static_cast<size_t>(n_groups * plan.n_chunks * plan.vmax * (2 + D)));
+    }
+    parallel_for(context, plan, run_item, n_groups * plan.n_chunks);
+    if (plan.n_chunks > 1) parallel_for(context, plan, merge_item, n_groups);
+  }
+};
+
+struct TreeAttentionOp : Ort::CustomOpBase<TreeAttentionOp, TreeAttentionKernel, /*WithStatus=*/true> {
+  TreeAttentionOp() {
+    start_ver_ = 1;
+    end_ver_ = 1;
+  }
+
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
+    try {
+      Ort::ConstKernelInfo ki(info);
+      auto kernel = std::make_unique<TreeAttentionKernel>();
+      kernel->num_heads = ki.GetAttribute<int64_t>("num_heads");
+      kernel->kv_num_heads = ki.GetAttribute<int64_t>("kv_num_heads");
+      float sc = 0.0f;
+      if (OrtStatus* st = api.KernelInfoGetAttribute_float(info, "scale", &sc)) {
+        api.ReleaseStatus(st);  // no scale attribute: use 1/sqrt(head_dim)
+      } else {
+        kernel->scale = sc;
+        kernel->has_scale = true;
+      }
+      if (kernel->num_heads <= 0 || kernel->kv_num_heads <= 0 || kernel->num_heads % kernel->kv_num_heads != 0) {
+        std::ostringstream os;
+        os << "TreeAttention: num_heads " << kernel->num_heads << " must be a positive multiple of kv_num_heads "
+           << kernel->kv_num_heads;
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, os.str().c_str());
+      }
+      kernel->kern = &select_kernels();
+      *op_kernel = kernel.release();
+      return nullptr;
+    } catch (const std::exception& e) {
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string("TreeAttention: ") + e.what()).c_str());
+    }
+  }
+
+  const char* GetName() const { return kOpName; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+
+  size_t GetInputTypeCount() const { return 7; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    // past_len and mask accept any type here so that a wrong type gets our own clear message.
+    if (index == 5 || index == 6) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+
+  // Output shapes: output = query's, presents = the caches'.
+  static OrtStatusPtr InferOutputShape(Ort::ShapeInferContext& ctx) {
+    if (ctx.GetInputCount() != 7)
+      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, "TreeAttention: expects 7 inputs");
+    Ort::Status s = ctx.SetOutputShape(0, ctx.GetInputShape(0));
+    if (s.IsOK()) s = ctx.SetOutputShape(1, ctx.GetInputShape(3));
+    if (s.IsOK()) s = ctx.SetOutputShape(2, ctx.GetInputShape(4));
+    return s.release();
+  }
+};
+
+// Domains must outlive every session that uses them, including sessions destroyed during process
+// exit, so they are deliberately never released.
+std::mutex g_domains_mutex;
+std::vector<OrtCustomOpDomain*>* g_domains = new std::vector<OrtCustomOpDomain*>();
+
+}  // namespace
+}  // namespace dflash
+
+extern "C" __attribute__((visibility("default"))) OrtStatus* ORT_API_CALL
+RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
+  const OrtApi* api = api_base->GetApi(ORT_API_VERSION);
+  if (api == nullptr) {
+    // The runtime is older than the headers we were built with; API 1 is always there.
+    const OrtApi* v1 = api_base->GetApi(1);
+    std::string msg = std::string("libdflash_ops was built against ONNX Runtime API ") +
+                      std::to_string(ORT_API_VERSION) + " but this onnxruntime (" +
+                      api_base->GetVersionString() + ") is older; rebuild it with its headers";
+    return v1 != nullptr ? v1->CreateStatus(ORT_FAIL, msg.c_str()) : nullptr;
+  }
+  Ort::InitApi(api);
+  static dflash::TreeAttentionOp op;
+  try {
+    Ort::CustomOpDomain domain(dflash::kDomain);
+    domain.Add(&op);
+    Ort::UnownedSessionOptions(options).Add(domain);
+    std::lock_guard<std::mutex> lock(dflash::g_domains_mutex);
+    dflash::g_domains->push_back(domain.release());
+    return nullptr;
+  } catch (const std::exception& e) {
+    return api->CreateStatus(ORT_FAIL, e.what());
+  }
+}
