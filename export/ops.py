@@ -4,8 +4,8 @@ Each op has a plain torch implementation (used by the export check and tests) an
 a translation into one ONNX node, so the exported decoder has a few nodes a layer
 instead of dozens (node dispatch, not arithmetic, dominates a one-token step):
 
-- ``dflash::rms_norm``  -> ``SimplifiedLayerNormalization`` (ORT fuses the residual
-  add into ``SkipSimplifiedLayerNormalization``);
+- ``dflash::rms_norm``  -> ``SimplifiedLayerNormalization``;
+- ``dflash::add_rms_norm`` (residual add, then RMSNorm) -> ``com.microsoft.SkipSimplifiedLayerNormalization``;
 - ``dflash::rotary``    -> ``com.microsoft.RotaryEmbedding`` over cos/sin tables;
 - ``dflash::cached_attention`` -> ``com.microsoft.GroupQueryAttention`` (``gqa``) or
   this project's ``ai.dflash.TreeAttention`` (``custom``).  Contract for both: query
@@ -39,6 +39,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 @rms_norm.register_fake
 def _(x, weight, eps):
     return torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash::add_rms_norm", mutates_args=())
+def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(rms_norm(x + residual), x + residual)"""
+    total = x + residual
+    return rms_norm(total, weight, eps), total
+
+
+@add_rms_norm.register_fake
+def _(x, residual, weight, eps):
+    return torch.empty_like(x), torch.empty_like(x)
 
 
 @torch.library.custom_op("dflash::rotary", mutates_args=())
@@ -100,6 +113,11 @@ def _schema(name, domain, inputs, outputs, types, attributes):
 
 _schema("SimplifiedLayerNormalization", "", [_F("X", "T"), _F("scale", "T")], [_F("Y", "T")],
         [("T", ["tensor(float)"], "")], [("axis", _INT), ("epsilon", _FLOAT)])
+_schema("SkipSimplifiedLayerNormalization", MS_DOMAIN,
+        [_F("input", "T"), _F("skip", "T"), _F("gamma", "T")],
+        [_F("output", "T"), _F("mean", "U", param_option=_OPT), _F("inv_std_var", "U", param_option=_OPT),
+         _F("input_skip_bias_sum", "T", param_option=_OPT)],
+        [("T", ["tensor(float)"], ""), ("U", ["tensor(float)"], "")], [("epsilon", _FLOAT)])
 _schema("RotaryEmbedding", MS_DOMAIN,
         [_F("input", "T"), _F("position_ids", "M"), _F("cos_cache", "T"), _F("sin_cache", "T")],
         [_F("output", "T")], [("T", ["tensor(float)"], ""), ("M", ["tensor(int64)"], "")],
@@ -113,7 +131,7 @@ _schema("GroupQueryAttention", MS_DOMAIN,
          _F("position_ids", "P", param_option=_OPT), _F("attention_bias", "T", param_option=_OPT)],
         [_F("output", "T"), _F("present_key", "T"), _F("present_value", "T")],
         [("T", ["tensor(float)"], ""), ("M", ["tensor(int32)"], ""), ("P", ["tensor(int64)"], "")],
-        _ATTENTION_ATTRS)
+        _ATTENTION_ATTRS + [("causal", _INT)])
 _schema("TreeAttention", DFLASH_DOMAIN,
         [_F("query", "T"), _F("key", "T"), _F("value", "T"), _F("key_cache", "T"),
          _F("value_cache", "T"), _F("past_len", "I"), _F("mask", "B")],
@@ -130,14 +148,19 @@ def _rms_norm(x, weight, eps: float):
     return _onnx.SimplifiedLayerNormalization(x, weight, axis=-1, epsilon=eps)
 
 
+def _add_rms_norm(x, residual, weight, eps: float):
+    out, _, _, total = _ms.SkipSimplifiedLayerNormalization(x, residual, weight, epsilon=eps)
+    return out, total
+
+
 def _rotary(x, position_ids, cos, sin, num_heads: int):
     return _ms.RotaryEmbedding(x, position_ids, cos, sin, interleaved=0, num_heads=num_heads)
 
 
 def _gqa(query, key, value, key_cache, value_cache, past_len, mask,
          scale: float, num_heads: int, kv_num_heads: int):
-    # GQA masks causally itself and adds attention_bias [1,1,S,past+S]: 0 where a new row
-    # may look, -inf where the tree mask forbids it.  Everything here derives from
+    # With causal=0, GQA's only mask is attention_bias [1,1,S,past+S]: 0 where a new row may
+    # look, -inf where the mask forbids it (so tree and bidirectional masks work too).  Everything here derives from
     # (mask, past_len) alone, so ORT's common-subexpression pass builds it once, not per layer.
     s = op.Shape(mask, start=0, end=1)
     past = op.Reshape(past_len, op.Constant(value_ints=[1]))
@@ -150,7 +173,8 @@ def _gqa(query, key, value, key_cache, value_cache, past_len, mask,
     bias = op.Unsqueeze(op.Concat(seen, new, axis=1), op.Constant(value_ints=[0, 1]))
     return _ms.GroupQueryAttention(query, key, value, key_cache, value_cache, seqlens_k, total_len,
                                    None, None, None, bias,
-                                   num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale)
+                                   num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale,
+                                   causal=0)
 
 
 def _tree_attention(query, key, value, key_cache, value_cache, past_len, mask,
@@ -166,6 +190,7 @@ def translation_table(attention: str) -> dict:
                          f"choose one of {ATTENTION_IMPLEMENTATIONS}")
     return {
         torch.ops.dflash.rms_norm.default: _rms_norm,
+        torch.ops.dflash.add_rms_norm.default: _add_rms_norm,
         torch.ops.dflash.rotary.default: _rotary,
         torch.ops.dflash.cached_attention.default: {"gqa": _gqa, "custom": _tree_attention}[attention],
     }

@@ -64,18 +64,18 @@ class DecoderLayer(torch.nn.Module):
         s = x.shape[1]
         return ops.rms_norm(x.view(1, s, heads, self.head_dim), norm.weight, self.eps).view(1, s, -1)
 
-    def forward(self, hidden, position_ids, cos, sin, io, i):
-        x = ops.rms_norm(hidden, self.input_norm.weight, self.eps)
+    def forward(self, x, hidden, position_ids, cos, sin, io, i, next_norm):
+        """x = input_norm(hidden) -> (next_norm(new hidden), new hidden): each residual add is
+        fused with the norm that follows it."""
         q, k, v = self.qkv(x).split(self.split, dim=-1)
         q = ops.rotary(self._head_norm(self.q_norm, q, self.heads), position_ids, cos, sin, self.heads)
         k = ops.rotary(self._head_norm(self.k_norm, k, self.kv_heads), position_ids, cos, sin, self.kv_heads)
         attn, io.key_out[i], io.value_out[i] = ops.cached_attention(
             q, k, v, io.key_caches[i], io.value_caches[i], io.past_len, io.mask,
             self.scale, self.heads, self.kv_heads)
-        hidden = hidden + self.o_proj(attn)
-        x = ops.rms_norm(hidden, self.post_norm.weight, self.eps)
+        x, hidden = ops.add_rms_norm(self.o_proj(attn), hidden, self.post_norm.weight, self.eps)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return hidden + self.down(self.act(gate) * up)
+        return ops.add_rms_norm(self.down(self.act(gate) * up), hidden, next_norm.weight, self.eps)
 
 
 class CacheIO:
@@ -120,12 +120,14 @@ class TargetGraph(torch.nn.Module):
     def forward(self, input_ids, position_ids, tree_mask, past_len, *caches):
         io = CacheIO(caches, past_len, tree_mask)
         hidden = self.embed(input_ids)
+        x = ops.rms_norm(hidden, self.layers[0].input_norm.weight, self.eps)
+        next_norms = [layer.input_norm for layer in self.layers[1:]] + [self.norm]
         tapped = []
-        for i, layer in enumerate(self.layers):
-            hidden = layer(hidden, position_ids, self.cos, self.sin, io, i)
+        for i, (layer, next_norm) in enumerate(zip(self.layers, next_norms)):
+            x, hidden = layer(x, hidden, position_ids, self.cos, self.sin, io, i, next_norm)
             if i in self.taps:
                 tapped.append(hidden)
-        logits = ops.rms_norm(hidden, self.norm.weight, self.eps) @ self.lm_head
+        logits = x @ self.lm_head
         if self.lm_head_bias is not None:
             logits = logits + self.lm_head_bias
         presents = [t for pair in zip(io.key_out, io.value_out) for t in pair]

@@ -178,6 +178,87 @@ def generate(bundles, prompts, max_new_tokens, modes, hf, threads, repeats, json
         plot(report, plot_out)
 
 
+@main.command()
+@click.option("--json", "json_out", type=click.Path(), help="write the rows here")
+@click.option("--repeats", default=30, show_default=True)
+def attention(json_out, repeats):
+    """Per-layer attention time: TreeAttention (custom) vs ORT GQA vs ONNX Attention-23."""
+    from dflash.ops.bench import IMPLS, bench_attention
+
+    shapes = [(9, 3, 64), (32, 8, 128)]  # SmolLM2, Qwen3-8B
+    rows = []
+    grid = [(h, t, p, s) for h in shapes for t in (1, 2) for p in (128, 1024, 4096) for s in (1, 16, 64)]
+    with click.progressbar(grid, label="attention", file=sys.stderr) as bar:
+        for (heads, kv_heads, dim), threads, past, s in bar:
+            for impl in IMPLS:  # interleaved per configuration
+                us = bench_attention(impl, s, past, threads, heads, kv_heads, dim, past + s + 64, repeats)
+                rows.append({"impl": impl, "S": s, "past": past, "threads": threads,
+                             "heads": [heads, kv_heads, dim], "us": us})
+    ratios = _ratios(rows, ("S", "past", "threads", "heads"), "custom", "gqa")
+    click.echo(f"{'heads':>10s} {'thr':>3s} {'S':>3s} {'past':>5s} {'custom':>8s} {'gqa':>8s} {'onnx':>8s} {'gqa/custom':>10s}")
+    for key, ratio in ratios.items():
+        s, past, threads, heads = key
+        us = {r["impl"]: r["us"] for r in rows if (r["S"], r["past"], r["threads"], tuple(r["heads"])) == key}
+        click.echo(f"{','.join(map(str, heads)):>10s} {threads:3d} {s:3d} {past:5d} {us['custom']:8.0f} "
+                   f"{us['gqa']:8.0f} {us['onnx']:8.0f} {ratio:10.2f}")
+    if json_out:
+        report = {"machine": machine(), "rows": rows,
+                  "gqa_over_custom": [{"S": k[0], "past": k[1], "threads": k[2], "heads": list(k[3]), "ratio": v}
+                                      for k, v in ratios.items()]}
+        Path(json_out).write_text(json.dumps(report, indent=1))
+
+
+def _ratios(rows, keys, a, b) -> dict:
+    """time(b) / time(a) for each configuration (> 1: a is faster)."""
+    by = {}
+    for r in rows:
+        key = tuple(tuple(r[k]) if isinstance(r[k], list) else r[k] for k in keys)
+        by.setdefault(key, {})[r["impl"]] = r["us"]
+    return {k: v[b] / v[a] for k, v in by.items()}
+
+
+@main.command()
+@click.option("--bundle", "bundles", multiple=True, required=True, help="bundle folder; repeat to compare")
+@click.option("--threads", type=int, default=len(os.sched_getaffinity(0)), show_default=True)
+@click.option("--repeats", default=20, show_default=True)
+@click.option("--json", "json_out", type=click.Path(), help="write the rows here")
+def verify(bundles, threads, repeats, json_out):
+    """Whole-target forward time for S new rows (a verify of S candidates) at past 256 and 2048."""
+    import time
+
+    import numpy as np
+
+    from dflash.runtime.target import Target, causal_mask
+    from dflash.runtime.bundle import load_bundle
+
+    targets = {}
+    for path in bundles:
+        info = load_bundle(path)
+        targets[f"{info.attention}-{info.graphs['target']['dtype']}"] = Target(info, threads)
+    rows = []
+    grid = [(past, s) for past in (256, 2048) for s in (1, 2, 4, 8, 16, 32)]
+    with click.progressbar(grid, label="verify", file=sys.stderr) as bar:
+        for past, s in bar:
+            ids, mask = np.arange(s) + 100, causal_mask(s)
+            times = {name: [] for name in targets}
+            for _ in range(repeats):
+                for name, target in targets.items():  # interleaved
+                    if past + s > target.capacity:
+                        continue
+                    start = time.perf_counter()
+                    target.forward(ids, np.arange(past, past + s), mask, past)
+                    times[name].append((time.perf_counter() - start) * 1e3)
+            rows += [{"bundle": name, "past": past, "S": s, "ms": float(np.median(t))}
+                     for name, t in times.items() if t]
+    names = list(targets)
+    click.echo(f"{'past':>5s} {'S':>3s} " + " ".join(f"{n:>14s}" for n in names) + "   (ms per forward)")
+    for past, s in grid:
+        ms = {r["bundle"]: r["ms"] for r in rows if (r["past"], r["S"]) == (past, s)}
+        click.echo(f"{past:5d} {s:3d} " + " ".join(f"{ms.get(n, float('nan')):14.2f}" for n in names))
+    if json_out:
+        Path(json_out).write_text(json.dumps({"machine": machine(), "threads": threads, "rows": rows}, indent=1))
+
+
 def _print_table(report: dict) -> None:
     click.echo(f"{'mode':14s} {'tok/s':>8s} {'speedup':>8s} {'prefill tok/s':>14s} {'same as ar':>11s}")
     for name, m in report["modes"].items():
