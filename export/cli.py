@@ -8,6 +8,7 @@ from pathlib import Path
 
 import click
 
+from .ops import ATTENTION_IMPLEMENTATIONS
 from .quantize import DTYPES
 from .sources import SourceError
 
@@ -48,9 +49,10 @@ def main():
 @click.argument("src")
 @click.option("--out", "out", required=True, type=click.Path(path_type=Path), help="bundle folder to write")
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
-@click.option("--max-len", type=int, default=2048, show_default=True, help="KV-cache capacity in tokens")
+@click.option("--max-len", type=int, default=4096, show_default=True, help="KV-cache capacity in tokens")
 @click.option("--taps", default="auto", show_default=True, help="tap layer ids for a drafter, or 'auto'")
-@click.option("--attention", type=click.Choice(["gqa", "custom"]), default="gqa", show_default=True)
+@click.option("--attention", type=click.Choice(ATTENTION_IMPLEMENTATIONS), default="custom", show_default=True,
+              help="custom: this project's TreeAttention op; gqa: ORT GroupQueryAttention; onnx: ONNX Attention-23")
 @click.option("--overwrite", is_flag=True, help="replace an existing bundle folder")
 def target(src, out, dtype, max_len, taps, attention, overwrite):
     """Export the target model SRC: a Hugging Face model folder, a .gguf file, or 'default'."""
@@ -60,7 +62,7 @@ def target(src, out, dtype, max_len, taps, attention, overwrite):
         raise click.ClickException(str(e))
 
 
-def export_target(src, out, dtype="fp32", max_len=2048, taps="auto", attention="gqa", overwrite=False):
+def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="custom", overwrite=False):
     from . import sources
     from .bundle import eos_token_ids, staging, write_manifest, write_tokenizer
     from .check import check_target

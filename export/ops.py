@@ -11,7 +11,9 @@ instead of dozens (node dispatch, not arithmetic, dominates a one-token step):
   this project's ``ai.dflash.TreeAttention`` (``custom``).  Contract for both: query
   ``[1,S,H*D]``, key/value ``[1,S,Hkv*D]`` with rotary applied; caches ``[1,Hkv,C,D]``;
   ``past_len`` int64 scalar; ``mask [S,S]`` bool over the new rows.  Outputs: attention
-  ``[1,S,H*D]`` and the caches with new rows written at ``past_len..past_len+S-1``.
+  ``[1,S,H*D]`` and the caches with new rows written at ``past_len..past_len+S-1``;
+- or ONNX ``Attention`` (opset 23, ``onnx``): the baseline.  Its present K/V is a new tensor of
+  past+S rows, so the graph copies the whole cache every step to keep the same contract.
 """
 
 from __future__ import annotations
@@ -22,9 +24,10 @@ import onnx
 import torch
 from onnx.defs import OpSchema
 from onnxscript import opset18 as op
+from onnxscript import opset23
 from onnxscript.values import Opset
 
-ATTENTION_IMPLEMENTATIONS = ("gqa", "custom")
+ATTENTION_IMPLEMENTATIONS = ("custom", "gqa", "onnx")
 MS_DOMAIN, DFLASH_DOMAIN = "com.microsoft", "ai.dflash"
 
 
@@ -177,6 +180,24 @@ def _gqa(query, key, value, key_cache, value_cache, past_len, mask,
                                    causal=0)
 
 
+def _onnx_attention(query, key, value, key_cache, value_cache, past_len, mask,
+                    scale: float, num_heads: int, kv_num_heads: int):
+    zero, rows = op.Constant(value_ints=[0]), op.Constant(value_ints=[2])
+    past = op.Reshape(past_len, op.Constant(value_ints=[1]))
+    end = op.Add(past, op.Shape(mask, start=0, end=1))
+    capacity = op.Shape(key_cache, start=2, end=3)
+    seen = op.Expand(op.Constant(value_ints=[1]), op.Concat(op.Shape(mask, start=0, end=1), past, axis=0))
+    attn_mask = op.Concat(op.Cast(seen, to=onnx.TensorProto.BOOL), mask, axis=1)
+    out, present_k, present_v, _ = opset23.Attention(
+        query, key, value, attn_mask, op.Slice(key_cache, zero, past, rows),
+        op.Slice(value_cache, zero, past, rows), is_causal=0, q_num_heads=num_heads,
+        kv_num_heads=kv_num_heads, scale=scale)
+    # back into the fixed-capacity buffers: a full copy, which is this baseline's cost
+    key_out = op.Concat(present_k, op.Slice(key_cache, end, capacity, rows), axis=2)
+    value_out = op.Concat(present_v, op.Slice(value_cache, end, capacity, rows), axis=2)
+    return out, key_out, value_out
+
+
 def _tree_attention(query, key, value, key_cache, value_cache, past_len, mask,
                     scale: float, num_heads: int, kv_num_heads: int):
     return _dflash.TreeAttention(query, key, value, key_cache, value_cache, past_len, mask,
@@ -192,5 +213,6 @@ def translation_table(attention: str) -> dict:
         torch.ops.dflash.rms_norm.default: _rms_norm,
         torch.ops.dflash.add_rms_norm.default: _add_rms_norm,
         torch.ops.dflash.rotary.default: _rotary,
-        torch.ops.dflash.cached_attention.default: {"gqa": _gqa, "custom": _tree_attention}[attention],
+        torch.ops.dflash.cached_attention.default: {
+            "gqa": _gqa, "custom": _tree_attention, "onnx": _onnx_attention}[attention],
     }

@@ -175,6 +175,7 @@ def export_onnx(model, taps: list[int], max_len: int, attention: str, path) -> N
             input_names=["input_ids", "position_ids", "tree_mask", "past_len", *past],
             output_names=["logits", "taps", *present],
             custom_translation_table=ops.translation_table(attention),
+            opset_version=23 if attention == "onnx" else 20,
             optimize=True, verbose=False,
         )
     program.save(str(path), external_data=True)
