@@ -114,6 +114,7 @@ def plot(report: dict, path: str) -> None:
     fig, ax = plt.subplots(figsize=(1.4 * len(modes) + 2, 3.5))
     bars = ax.bar(modes, values, color="#3b7dd8")
     ax.bar_label(bars, fmt="%.1f")
+    ax.set_ylim(0, max(values) * 1.15)
     ax.set_ylabel("decode tokens/s (median over prompts)")
     ax.set_title(f"{report['machine']['cores']} cores, {report['threads']} threads, "
                  f"{report['max_new_tokens']} new tokens")
