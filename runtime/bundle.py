@@ -65,14 +65,9 @@ def load_bundle(folder) -> Bundle:
 
 
 def _check_graph_files(graph: Path) -> None:
+    """The graph and its weights, which exports always keep in `<graph>.data` beside it."""
     if not graph.is_file():
         raise BundleError(f"{graph} is missing from the bundle; export it again")
     data = graph.with_name(graph.name + ".data")
-    # Exports keep weights in an external-data file beside the graph.
-    if graph.stat().st_size < 10_000_000 and not data.exists() and _has_external_data(graph):
+    if not data.is_file():
         raise BundleError(f"{data} is missing: the graph's weights live there; copy the whole bundle")
-
-
-def _has_external_data(graph: Path) -> bool:
-    with open(graph, "rb") as f:
-        return b"location" in f.read()
