@@ -38,17 +38,18 @@ def machine() -> dict:
             "onnxruntime": onnxruntime.__version__, "date": datetime.date.today().isoformat()}
 
 
+MODES = {"ar": None, "lookup": "lookup"}  # mode -> drafter
+
+
 class OrtRunner:
-    """Greedy generation with this project's runtime."""
+    """Greedy generation with this project's runtime, plain or with a drafter."""
 
-    def __init__(self, bundle, threads):
-        from dflash.runtime import Model
-
-        self.model = Model(bundle, threads=threads)
+    def __init__(self, model, drafter=None):
+        self.model, self.drafter = model, drafter
 
     def __call__(self, row, max_new_tokens) -> dict:
         kwargs = {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
-        result = self.model.generate(max_new_tokens=max_new_tokens, **kwargs)
+        result = self.model.generate(max_new_tokens=max_new_tokens, drafter=self.drafter, **kwargs)
         s = result.stats
         return {"tokens": result.tokens, "decode_s": s.decode_ms / 1e3, "prefill_s": s.prefill_ms / 1e3,
                 "prompt_tokens": s.prompt_tokens, "steps": s.steps}
@@ -140,16 +141,18 @@ def main():
 @click.option("--plot", "plot_out", type=click.Path(), help="write a PNG bar chart here")
 def generate(bundles, prompts, max_new_tokens, modes, hf, threads, repeats, json_out, plot_out):
     """Decode tokens/s per mode on a prompt file, with outputs checked against `ar`."""
-    from dflash.runtime import load_bundle
+    from dflash.runtime import Model
 
     rows = load_prompts(prompts)
     runners = {}
     for i, bundle in enumerate(bundles):
-        suffix = "" if i == 0 else f"-{load_bundle(bundle).graphs['target']['dtype']}"
+        model = Model(bundle, threads=threads)  # one per bundle, shared by its modes
+        suffix = "" if i == 0 else f"-{model.bundle.graphs['target']['dtype']}"
         for mode in modes.split(","):
-            if mode != "ar":
-                raise click.BadParameter(f"unknown mode {mode!r}; available: ar", param_hint="--modes")
-            runners[mode + suffix] = OrtRunner(bundle, threads)
+            if mode not in MODES:
+                raise click.BadParameter(f"unknown mode {mode!r}; available: {', '.join(MODES)}",
+                                         param_hint="--modes")
+            runners[mode + suffix] = OrtRunner(model, MODES[mode])
     if hf:
         runners["hf"] = HfRunner(bundles[0], threads)
     for runner in runners.values():  # warm-up

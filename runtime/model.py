@@ -12,6 +12,7 @@ import numpy as np
 
 from .bundle import load_bundle
 from .sampling import Sampler, SamplingParams
+from .speculative import greedy_chain, lookup_draft
 from .target import Target
 from .text import StopMatcher, StreamDecoder, TextCodec
 
@@ -23,6 +24,12 @@ class Stats:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0  # from the first new token to the last
     steps: int = 0  # target calls after prefill
+    accepted_drafts: int = 0  # drafted tokens the target confirmed (speculative decoding)
+
+    @property
+    def mean_accept_len(self) -> float:
+        """Tokens committed per target call after prefill (1.0 for plain decoding)."""
+        return (self.new_tokens - 1) / self.steps if self.steps else 1.0
 
     @property
     def decode_tokens_per_s(self) -> float:
@@ -83,16 +90,24 @@ class Model:
     def stream(self, prompt: str | None = None, *, messages: list[dict] | None = None,
                input_ids: list[int] | None = None, max_new_tokens: int = 128,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
-               seed: int | None = None, stop=None, ignore_eos: bool = False) -> "Generation":
+               seed: int | None = None, stop=None, ignore_eos: bool = False,
+               drafter: str | None = None, draft_len: int = 8) -> "Generation":
         """An iterator of text pieces; its `.result` holds tokens, finish reason and stats.
 
         temperature 0 is greedy decoding; `stop` is a string or a list of strings that end
-        the text (not included); `ignore_eos` decodes past EOS up to max_new_tokens."""
+        the text (not included); `ignore_eos` decodes past EOS up to max_new_tokens.
+        `drafter="lookup"` speculates `draft_len` tokens a step by prompt lookup (greedy only)."""
         ids = self.encode(prompt, messages, input_ids)
         params = SamplingParams(temperature, top_k, top_p, seed)
+        if drafter not in (None, "lookup"):
+            raise ValueError(f"unknown drafter {drafter!r}; available: lookup")
+        if drafter and not params.greedy:
+            raise ValueError("speculative decoding here is greedy only so far: use temperature=0")
         self._check_length(len(ids), max_new_tokens)
         eos = set() if ignore_eos else self.eos_ids
-        return Generation(self, ids, params, max_new_tokens, stop, eos)
+        generation = Generation(self, ids, params, max_new_tokens, stop, eos)
+        generation.drafter, generation.draft_len = drafter, draft_len
+        return generation
 
     def generate(self, prompt: str | None = None, **kwargs) -> Result:
         generation = self.stream(prompt, **kwargs)
@@ -139,6 +154,7 @@ class Generation:
         self.max_new_tokens = max_new_tokens
         self.stops = StopMatcher(stop)
         self.result = Result(stats=Stats(prompt_tokens=len(ids)))
+        self.drafter, self.draft_len = None, 0
 
     def __iter__(self) -> Iterator[str]:
         model = self.model
@@ -158,7 +174,10 @@ class Generation:
     def _run(self) -> Iterator[str]:
         result, stats = self.result, self.result.stats
         decoder = StreamDecoder(self.model.codec)
-        chunks = self.model._decode_tokens(self.ids, Sampler(self.params), stats)
+        if self.drafter == "lookup":
+            chunks = greedy_chain(self.model.target, self.ids, lookup_draft, self.draft_len, stats)
+        else:
+            chunks = self.model._decode_tokens(self.ids, Sampler(self.params), stats)
         first_token_at = None
         for chunk in chunks:
             first_token_at = first_token_at or time.perf_counter()
