@@ -24,7 +24,6 @@ class Stats:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0  # from the first new token to the last
     steps: int = 0  # target calls after prefill
-    accepted_drafts: int = 0  # drafted tokens the target confirmed (speculative decoding)
 
     @property
     def mean_accept_len(self) -> float:
@@ -105,9 +104,7 @@ class Model:
             raise ValueError("speculative decoding here is greedy only so far: use temperature=0")
         self._check_length(len(ids), max_new_tokens)
         eos = set() if ignore_eos else self.eos_ids
-        generation = Generation(self, ids, params, max_new_tokens, stop, eos)
-        generation.drafter, generation.draft_len = drafter, draft_len
-        return generation
+        return Generation(self, ids, params, max_new_tokens, stop, eos, drafter, draft_len)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Result:
         generation = self.stream(prompt, **kwargs)
@@ -129,14 +126,9 @@ class Model:
                              f"max_new_tokens to {self.capacity - prompt_tokens + 1} or re-export "
                              "with a larger --max-len")
 
-    def _decode_tokens(self, ids: list[int], sampler: Sampler, stats: Stats) -> Iterator[list[int]]:
-        """Plain autoregressive decoding: yields one new token at a time."""
-        start = time.perf_counter()
-        logits = self.target.prefill(ids)
-        token = sampler(logits)
-        stats.prefill_ms = (time.perf_counter() - start) * 1e3
-        yield [token]
-        past, one = len(ids), np.ones((1, 1), np.bool_)
+    def _decode_tokens(self, token: int, past: int, sampler: Sampler, stats: Stats) -> Iterator[list[int]]:
+        """Plain autoregressive decoding after `token`: yields one new token at a time."""
+        one = np.ones((1, 1), np.bool_)
         while True:
             logits = self.target.forward([token], [past], one, past)
             past += 1
@@ -149,12 +141,12 @@ class Generation:
     """One generation in progress: iterate for text pieces, then read `.result`."""
 
     def __init__(self, model: Model, ids: list[int], params: SamplingParams, max_new_tokens: int,
-                 stop, eos_ids: set[int]):
+                 stop, eos_ids: set[int], drafter: str | None = None, draft_len: int = 0):
         self.model, self.ids, self.params, self.eos_ids = model, ids, params, eos_ids
         self.max_new_tokens = max_new_tokens
+        self.drafter, self.draft_len = drafter, draft_len
         self.stops = StopMatcher(stop)
         self.result = Result(stats=Stats(prompt_tokens=len(ids)))
-        self.drafter, self.draft_len = None, 0
 
     def __iter__(self) -> Iterator[str]:
         model = self.model
@@ -171,13 +163,22 @@ class Generation:
         finally:
             model._busy.release()
 
+    def _token_chunks(self, stats: Stats) -> Iterator[list[int]]:
+        """Prefill, the first token, then the chosen decoding loop's chunks of new tokens."""
+        target, sampler = self.model.target, Sampler(self.params)
+        start = time.perf_counter()
+        first = sampler(target.prefill(self.ids))
+        stats.prefill_ms = (time.perf_counter() - start) * 1e3
+        yield [first]
+        if self.drafter == "lookup":
+            yield from greedy_chain(target, self.ids + [first], lookup_draft, self.draft_len, stats)
+        else:
+            yield from self.model._decode_tokens(first, len(self.ids), sampler, stats)
+
     def _run(self) -> Iterator[str]:
         result, stats = self.result, self.result.stats
         decoder = StreamDecoder(self.model.codec)
-        if self.drafter == "lookup":
-            chunks = greedy_chain(self.model.target, self.ids, lookup_draft, self.draft_len, stats)
-        else:
-            chunks = self.model._decode_tokens(self.ids, Sampler(self.params), stats)
+        chunks = self._token_chunks(stats)
         first_token_at = None
         for chunk in chunks:
             first_token_at = first_token_at or time.perf_counter()

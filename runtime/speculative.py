@@ -9,10 +9,11 @@ chain needs no cache compaction.  (Trees, sampling and adaptive lengths: issue 4
 
 from __future__ import annotations
 
-import time
 from typing import Iterator
 
 import numpy as np
+
+from .target import causal_mask
 
 
 def lookup_draft(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
@@ -25,25 +26,22 @@ def lookup_draft(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
     return []
 
 
-def greedy_chain(target, ids: list[int], draft_fn, k: int, stats) -> Iterator[list[int]]:
-    """Yields the committed tokens of each step (1 to k+1 at a time)."""
-    start = time.perf_counter()
-    last = int(np.argmax(target.prefill(ids)))
-    stats.prefill_ms = (time.perf_counter() - start) * 1e3
-    history, past = list(ids) + [last], len(ids)
-    yield [last]
+def greedy_chain(target, history: list[int], draft_fn, k: int, stats) -> Iterator[list[int]]:
+    """After prefill: `history` is the prompt plus the first token, which is not yet cached.
+    Yields the committed tokens of each step (1 to k+1 at a time)."""
+    history = list(history)
+    last, past = history[-1], len(history) - 1
     while True:
         room = target.capacity - past - 1  # rows left after `last`
         draft = draft_fn(history, min(k, room)) if room > 0 else []
         rows = [last] + draft
-        logits = target.forward(rows, np.arange(past, past + len(rows)), np.tri(len(rows), dtype=np.bool_), past)
+        logits = target.forward(rows, np.arange(past, past + len(rows)), causal_mask(len(rows)), past)
         choices = logits.argmax(axis=-1)
         accepted = 0
         while accepted < len(draft) and draft[accepted] == choices[accepted]:
             accepted += 1
         new = draft[:accepted] + [int(choices[accepted])]
         stats.steps += 1
-        stats.accepted_drafts += accepted
         past += accepted + 1
         last = new[-1]
         history += new

@@ -7,7 +7,6 @@ import pytest
 
 from conftest import SHARED_PROMPTS
 from dflash.runtime import Model
-from dflash.runtime.target import Target
 
 IMPLS = ["custom", "gqa", "onnx"]
 
