@@ -57,4 +57,6 @@ def eos_token_ids(model, tokenizer) -> list[int]:
 
 def write_manifest(folder: Path, manifest: dict) -> None:
     manifest = {"format_version": FORMAT_VERSION, **manifest}
-    (folder / MANIFEST).write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp = folder / (MANIFEST + ".tmp")
+    tmp.write_text(json.dumps(manifest, indent=2) + "\n")
+    tmp.replace(folder / MANIFEST)  # atomic: a crash never leaves half a manifest

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 from pathlib import Path
@@ -62,7 +63,9 @@ def target(src, out, dtype, max_len, taps, attention, overwrite):
         raise click.ClickException(str(e))
 
 
-def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="custom", overwrite=False):
+def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="custom", overwrite=False,
+                  source=None):
+    """Export SRC (or an already loaded `source`) as a target bundle in `out`."""
     from . import sources
     from .bundle import eos_token_ids, staging, write_manifest, write_tokenizer
     from .check import check_target
@@ -71,7 +74,7 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
 
     progress = Progress(5 if dtype == "fp32" else 6)
     progress(f"loading {src}")
-    source = sources.load(src)
+    source = source or sources.load(src)
     config = source.model.config
     if max_len < 2:
         raise SourceError(f"--max-len {max_len} is too small; give the KV-cache capacity in tokens")
@@ -109,6 +112,64 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
         write_manifest(folder, manifest)
     progress(f"bundle written to {out}")
     return manifest
+
+
+@main.command("draft-lm")
+@click.argument("src", required=False)
+@click.option("--target", "target_dir", required=True, type=click.Path(path_type=Path),
+              help="the target bundle the drafter is added to")
+@click.option("--self", "self_dtype", type=click.Choice(["int8", "int4"]),
+              help="draft with the target's own weights quantized to this type (no SRC)")
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True,
+              help="the drafter's dtype (with SRC)")
+def draft_lm(src, target_dir, self_dtype, dtype):
+    """Add a draft model to a target bundle: SRC, a small causal LM with the target's
+    tokenizer (HF folder or .gguf), as drafter `draft-lm`; or with --self the target
+    quantized, as drafter `self-int4` (or `self-int8`)."""
+    try:
+        export_draft_lm(src, target_dir, self_dtype, dtype)
+    except (SourceError, FileExistsError) as e:
+        raise click.ClickException(str(e))
+
+
+def export_draft_lm(src, target_dir, self_dtype=None, dtype="fp32"):
+    """Export the drafter as a complete bundle in a subfolder of the target bundle (named
+    as the drafter) and list it in the target's manifest."""
+    from . import sources
+    from .bundle import MANIFEST, write_manifest
+
+    target_dir = Path(target_dir)
+    try:
+        manifest = json.loads((target_dir / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SourceError(f"{target_dir} is not a readable dflash bundle ({e}); export the target first "
+                          "with `dflash-export target`")
+    if (src is None) == (self_dtype is None):
+        raise SourceError("give either SRC (a draft model) or --self int4|int8 (the target quantized)")
+    name = f"self-{self_dtype}" if self_dtype else "draft-lm"
+    if self_dtype:
+        src, dtype = manifest["source"], self_dtype
+    source = sources.load(src)
+    check_same_tokenizer(source.tokenizer, target_dir / manifest["tokenizer"], src)
+    export_target(src, target_dir / name, dtype, manifest["max_len"], "auto",
+                  manifest["attention"], overwrite=True, source=source)
+    manifest.pop("format_version", None)
+    manifest["drafters"] = {**manifest.get("drafters", {}), name: {
+        "dir": name, "model_id": source.model_id, "dtype": dtype}}
+    write_manifest(target_dir, manifest)
+    click.echo(f"drafter {name} ({source.model_id}, {dtype}) added to {target_dir}", err=True)
+
+
+def check_same_tokenizer(tokenizer, target_tokenizer_file: Path, src) -> None:
+    """A draft model proposes token ids: they must mean the same strings to the target."""
+    from tokenizers import Tokenizer
+
+    ours, theirs = tokenizer.get_vocab(), Tokenizer.from_file(str(target_tokenizer_file)).get_vocab()
+    if ours != theirs:
+        differ = sum(theirs.get(token) != i for token, i in ours.items()) + abs(len(theirs) - len(ours))
+        raise SourceError(f"{src} has another tokenizer than the target ({len(ours)} vs {len(theirs)} "
+                          f"tokens, {differ} differ): a draft model must share the target's tokenizer; "
+                          "pick one from the target's model family, or use --self int4")
 
 
 if __name__ == "__main__":

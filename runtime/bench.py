@@ -38,21 +38,21 @@ def machine() -> dict:
             "onnxruntime": onnxruntime.__version__, "date": datetime.date.today().isoformat()}
 
 
-MODES = {"ar": None, "lookup": "lookup"}  # mode -> drafter
-
-
 class OrtRunner:
-    """Greedy generation with this project's runtime, plain or with a drafter."""
+    """Greedy generation with this project's runtime: mode "ar" (plain) or a drafter's name."""
 
-    def __init__(self, model, drafter=None):
-        self.model, self.drafter = model, drafter
+    def __init__(self, model, mode: str, draft_len: int | None = None):
+        self.model, self.draft_len = model, draft_len
+        self.drafter = None if mode == "ar" else mode
 
     def __call__(self, row, max_new_tokens) -> dict:
         kwargs = {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
-        result = self.model.generate(max_new_tokens=max_new_tokens, drafter=self.drafter, **kwargs)
+        result = self.model.generate(max_new_tokens=max_new_tokens, drafter=self.drafter,
+                                     draft_len=self.draft_len, **kwargs)
         s = result.stats
         return {"tokens": result.tokens, "decode_s": s.decode_ms / 1e3, "prefill_s": s.prefill_ms / 1e3,
-                "prompt_tokens": s.prompt_tokens, "steps": s.steps}
+                "prompt_tokens": s.prompt_tokens, "steps": s.steps, "draft_ms": s.draft_ms,
+                "verify_ms": s.verify_ms, "accept_hist": s.accept_hist}
 
 
 class HfRunner:
@@ -91,17 +91,41 @@ class HfRunner:
                 "prompt_tokens": len(ids), "steps": len(tokens) - 1}
 
 
-def summarize(runs: dict[str, list[dict]]) -> dict:
-    """Median over prompts of decode tokens/s (tokens after the first, per decode second)."""
-    rates = [(len(r["tokens"]) - 1) / r["decode_s"] for r in runs.values() if len(r["tokens"]) > 1]
+def rate(run: dict) -> float:
+    """Decode tokens/s of one run: tokens after the first, per decode second."""
+    return (len(run["tokens"]) - 1) / run["decode_s"] if len(run["tokens"]) > 1 else float("nan")
+
+
+def summarize(runs: dict[str, dict]) -> dict:
+    """Medians over prompts; acceptance and per-step times summed over all steps."""
+    rates = [rate(r) for r in runs.values() if len(r["tokens"]) > 1]
     prefill = [r["prompt_tokens"] / r["prefill_s"] for r in runs.values()]
     steps = sum(r["steps"] for r in runs.values())
     accepted = sum(len(r["tokens"]) - 1 for r in runs.values())
+    hist = [0] * max((len(r.get("accept_hist", [])) for r in runs.values()), default=0)
+    for r in runs.values():
+        for k, count in enumerate(r.get("accept_hist", [])):
+            hist[k] += count
     tps = statistics.median(rates) if rates else 0.0
-    return {"tokens_per_s": tps, "decode_ms_per_token": 1e3 / tps if tps else None,
-            "prefill_tokens_per_s": statistics.median(prefill),
-            "mean_accept_len": accepted / steps if steps else 1.0,
-            "outputs": {pid: r["tokens"] for pid, r in runs.items()}}
+    summary = {"tokens_per_s": tps, "decode_ms_per_token": 1e3 / tps if tps else None,
+               "prefill_tokens_per_s": statistics.median(prefill),
+               "mean_accept_len": accepted / steps if steps else 1.0}
+    if hist:
+        summary.update(accept_hist=hist, draft_ms_per_step=sum(r["draft_ms"] for r in runs.values()) / steps,
+                       verify_ms_per_step=sum(r["verify_ms"] for r in runs.values()) / steps)
+    summary["outputs"] = {pid: r["tokens"] for pid, r in runs.items()}
+    return summary
+
+
+def speedups_by_kind(rows, results, mode: str, base: str) -> dict:
+    """Median per-prompt ratio of mode to base tokens/s, for all prompts and per prompt kind."""
+    ratios = {}
+    for row in rows:
+        a, b = results[mode][row["id"]], results[base][row["id"]]
+        if len(a["tokens"]) > 1 and len(b["tokens"]) > 1:
+            for kind in ("all", row.get("kind", "other")):
+                ratios.setdefault(kind, []).append(rate(a) / rate(b))
+    return {kind: statistics.median(v) for kind, v in ratios.items()}
 
 
 def plot(report: dict, path: str) -> None:
@@ -111,14 +135,19 @@ def plot(report: dict, path: str) -> None:
     import matplotlib.pyplot as plt
 
     modes = list(report["modes"])
-    values = [report["modes"][m]["tokens_per_s"] for m in modes]
-    fig, ax = plt.subplots(figsize=(1.4 * len(modes) + 2, 3.5))
-    bars = ax.bar(modes, values, color="#3b7dd8")
-    ax.bar_label(bars, fmt="%.1f")
-    ax.set_ylim(0, max(values) * 1.15)
-    ax.set_ylabel("decode tokens/s (median over prompts)")
-    ax.set_title(f"{report['machine']['cores']} cores, {report['threads']} threads, "
-                 f"{report['max_new_tokens']} new tokens")
+    panels = [("tokens_per_s", "decode tokens/s (median over prompts)", "%.1f")]
+    if any(m != "hf" and report["modes"][m].get("accept_hist") for m in modes):
+        panels.append(("mean_accept_len", "tokens per target call", "%.2f"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(len(panels) * (1.1 * len(modes) + 2), 3.8), squeeze=False)
+    for ax, (key, label, fmt) in zip(axes[0], panels):
+        values = [report["modes"][m][key] for m in modes]
+        bars = ax.bar(modes, values, color="#3b7dd8")
+        ax.bar_label(bars, fmt=fmt)
+        ax.set_ylim(0, max(values) * 1.15)
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"{report['machine']['cores']} cores, {report['threads']} threads, "
+                 f"{report['max_new_tokens']} new tokens, greedy")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -128,33 +157,56 @@ def main():
     """Benchmarks: every ratio comes from one interleaved run."""
 
 
+def parse_cores(text: str | None) -> list[int] | None:
+    try:
+        return [int(c) for c in text.split(",")] if text else None
+    except ValueError:
+        raise click.BadParameter(f"give core ids like 0 or 0,1; got {text!r}")
+
+
 @main.command()
 @click.option("--bundle", "bundles", multiple=True, required=True,
               help="bundle folder; repeat to compare bundles (modes get a -DTYPE suffix)")
 @click.option("--prompts", required=True, type=click.Path(exists=True), help="JSONL prompt file")
 @click.option("--max-new-tokens", default=128, show_default=True)
-@click.option("--modes", default="ar", show_default=True, help="comma-separated decoding modes")
+@click.option("--modes", default="ar", show_default=True,
+              help="comma-separated: ar and drafter names (lookup, self-int4, self-int4-tree, draft-lm, ...)")
+@click.option("--draft-len", type=int, help="fixed chain length (default: adaptive)")
 @click.option("--hf", is_flag=True, help="add transformers' greedy generate as mode 'hf'")
 @click.option("--threads", type=int, default=len(os.sched_getaffinity(0)), show_default=True)
+@click.option("--target-cores", help="also run every speculative mode with the target pinned to these "
+              "cores (e.g. 0) and ...")
+@click.option("--draft-cores", help="... the drafter pinned to these (e.g. 1): modes suffixed @pinned")
 @click.option("--repeats", default=1, show_default=True, help="runs per prompt (median taken)")
 @click.option("--json", "json_out", type=click.Path(), help="write the report here")
 @click.option("--plot", "plot_out", type=click.Path(), help="write a PNG bar chart here")
-def generate(bundles, prompts, max_new_tokens, modes, hf, threads, repeats, json_out, plot_out):
+def generate(bundles, prompts, max_new_tokens, modes, draft_len, hf, threads, target_cores, draft_cores,
+             repeats, json_out, plot_out):
     """Decode tokens/s per mode on a prompt file, with outputs checked against `ar`."""
     from dflash.runtime import Model
 
     rows = load_prompts(prompts)
-    runners = {}
+    runners, bases, skipped = {}, {}, []
+    layouts = {"": dict(threads=threads)}
+    if target_cores or draft_cores:
+        layouts["@pinned"] = dict(target_cores=parse_cores(target_cores), draft_cores=parse_cores(draft_cores))
     for i, bundle in enumerate(bundles):
-        model = Model(bundle, threads=threads)  # one per bundle, shared by its modes
-        suffix = "" if i == 0 else f"-{model.bundle.graphs['target']['dtype']}"
-        for mode in modes.split(","):
-            if mode not in MODES:
-                raise click.BadParameter(f"unknown mode {mode!r}; available: {', '.join(MODES)}",
-                                         param_hint="--modes")
-            runners[mode + suffix] = OrtRunner(model, MODES[mode])
+        for layout, options in layouts.items():
+            model = Model(bundle, **options)  # one per bundle and layout, shared by its modes
+            suffix = ("" if i == 0 else f"-{model.bundle.graphs['target']['dtype']}") + layout
+            for mode in modes.split(","):
+                if mode != "ar" and mode not in model.drafters:
+                    skipped.append(f"{mode}{suffix} (not in {bundle}: it has {', '.join(model.drafters)})")
+                    continue
+                if layout and mode == "ar":
+                    continue  # the pinned layout is about the two sessions
+                runners[mode + suffix] = OrtRunner(model, mode, draft_len)
+                bases[mode + suffix] = "ar" + ("" if i == 0 else f"-{model.bundle.graphs['target']['dtype']}")
+    for note in skipped:
+        click.echo(f"skipped: {note}", err=True)
     if hf:
         runners["hf"] = HfRunner(bundles[0], threads)
+        bases["hf"] = "ar"
     for runner in runners.values():  # warm-up
         runner(rows[0], 8)
     results = {name: {} for name in runners}
@@ -167,14 +219,16 @@ def generate(bundles, prompts, max_new_tokens, modes, hf, threads, repeats, json
                     trials[name].append(runner(row, max_new_tokens))
                     bar.update(1)
             for name, runs in trials.items():
-                runs.sort(key=lambda r: (len(r["tokens"]) - 1) / r["decode_s"])
+                runs.sort(key=rate)
                 results[name][row["id"]] = runs[len(runs) // 2]
     report = {"machine": machine(), "threads": threads, "max_new_tokens": max_new_tokens,
-              "prompts": str(prompts), "bundles": list(bundles),
+              "prompts": str(prompts), "bundles": list(bundles), "draft_len": draft_len or "adaptive",
+              "layouts": layouts, "skipped": skipped,
               "modes": {name: summarize(runs) for name, runs in results.items()}}
-    base = report["modes"]["ar"]
-    report["speedup"] = {name: m["tokens_per_s"] / base["tokens_per_s"] for name, m in report["modes"].items()}
-    report["lossless"] = {name: m["outputs"] == base["outputs"] for name, m in report["modes"].items()}
+    modes_ = report["modes"]
+    report["speedup"] = {name: modes_[name]["tokens_per_s"] / modes_[bases[name]]["tokens_per_s"] for name in modes_}
+    report["speedup_by_kind"] = {name: speedups_by_kind(rows, results, name, bases[name]) for name in modes_}
+    report["lossless"] = {name: modes_[name]["outputs"] == modes_[bases[name]]["outputs"] for name in modes_}
     _print_table(report)
     if json_out:
         Path(json_out).write_text(json.dumps(report, indent=1))
@@ -268,10 +322,15 @@ def verify(bundles, threads, repeats, json_out):
 
 
 def _print_table(report: dict) -> None:
-    click.echo(f"{'mode':14s} {'tok/s':>8s} {'speedup':>8s} {'prefill tok/s':>14s} {'same as ar':>11s}")
+    kinds = sorted({k for v in report["speedup_by_kind"].values() for k in v} - {"all"})
+    click.echo(f"{'mode':22s} {'tok/s':>7s} {'speedup':>8s} {'tok/step':>8s} {'draft ms':>8s} "
+               f"{'verify ms':>9s} {'same as ar':>10s}  speedup by kind: " + " ".join(kinds))
     for name, m in report["modes"].items():
-        click.echo(f"{name:14s} {m['tokens_per_s']:8.1f} {report['speedup'][name]:7.2f}x "
-                   f"{m['prefill_tokens_per_s']:14.0f} {str(report['lossless'][name]):>11s}")
+        by_kind = report["speedup_by_kind"][name]
+        click.echo(f"{name:22s} {m['tokens_per_s']:7.1f} {report['speedup'][name]:7.2f}x "
+                   f"{m['mean_accept_len']:8.2f} {m.get('draft_ms_per_step', 0):8.1f} "
+                   f"{m.get('verify_ms_per_step', 0):9.1f} {str(report['lossless'][name]):>10s}  "
+                   + " ".join(f"{by_kind.get(k, float('nan')):.2f}x" for k in kinds))
 
 
 if __name__ == "__main__":

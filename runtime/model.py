@@ -10,11 +10,14 @@ from typing import Iterator
 
 import numpy as np
 
-from .bundle import load_bundle
+from .bundle import BundleError, load_bundle
+from .drafters import Drafter, LookupDrafter, ModelDrafter
+from .policy import Policy, VerifyCost
 from .sampling import Sampler, SamplingParams
-from .speculative import greedy_chain, lookup_draft
+from .speculative import speculative_steps
 from .target import Target
 from .text import StopMatcher, StreamDecoder, TextCodec
+
 
 
 @dataclass
@@ -24,6 +27,16 @@ class Stats:
     prefill_ms: float = 0.0
     decode_ms: float = 0.0  # from the first new token to the last
     steps: int = 0  # target calls after prefill
+    draft_ms: float = 0.0  # speculative decoding: time spent drafting ...
+    verify_ms: float = 0.0  # ... and verifying (target calls), summed over steps
+    accept_hist: list[int] = field(default_factory=list)  # steps by number of drafts accepted
+
+    def record_step(self, accepted: int, draft_ms: float, verify_ms: float) -> None:
+        self.steps += 1
+        self.draft_ms += draft_ms
+        self.verify_ms += verify_ms
+        self.accept_hist.extend([0] * (accepted + 1 - len(self.accept_hist)))
+        self.accept_hist[accepted] += 1
 
     @property
     def mean_accept_len(self) -> float:
@@ -40,9 +53,16 @@ class Stats:
         return self.prompt_tokens / (self.prefill_ms / 1e3) if self.prefill_ms > 0 else 0.0
 
     def summary(self) -> str:
-        return (f"prompt {self.prompt_tokens} tokens, prefill {self.prefill_ms:.0f} ms "
+        text = (f"prompt {self.prompt_tokens} tokens, prefill {self.prefill_ms:.0f} ms "
                 f"({self.prefill_tokens_per_s:.0f} tok/s); {self.new_tokens} new tokens, "
                 f"decode {self.decode_tokens_per_s:.1f} tok/s")
+        if self.accept_hist:
+            n = self.steps
+            text += (f"\n{n} verify steps, {self.mean_accept_len:.2f} tokens per step; per step: draft "
+                     f"{self.draft_ms / n:.1f} ms, verify {self.verify_ms / n:.1f} ms"
+                     f"\ndrafts accepted per step: " + " ".join(
+                         f"{k}:{c}" for k, c in enumerate(self.accept_hist) if c))
+        return text
 
 
 @dataclass
@@ -60,13 +80,63 @@ class Model:
     >>> print(model.generate(messages=[{"role": "user", "content": "Hi!"}]).text)
     """
 
-    def __init__(self, bundle_dir: str | Path, threads: int | None = None, cores: list[int] | None = None):
+    def __init__(self, bundle_dir: str | Path, threads: int | None = None,
+                 target_cores: list[int] | None = None, draft_cores: list[int] | None = None):
+        """`threads`: intra-op threads per session (default: every usable core).
+        `target_cores` / `draft_cores`: pin each session to these cores (0-based)."""
         self.bundle = load_bundle(bundle_dir)
         self.codec = TextCodec(self.bundle)
-        self.target = Target(self.bundle, threads, cores)
+        self.threads, self.draft_cores = threads, draft_cores
+        self.target = Target(self.bundle, threads, target_cores)
         self.eos_ids = set(self.bundle.eos_token_ids)
-        self.capacity = self.bundle.max_len
+        self.capacity = self.target.capacity
         self._busy = threading.Lock()
+        self._cost: VerifyCost | None = None
+        self._draft_models: dict[str, Target] = {}
+        self._drafters: dict[tuple, Drafter] = {}
+
+    @property
+    def drafters(self) -> list[str]:
+        """The drafters this bundle supports: "lookup", and for each draft model in the
+        bundle ("draft-lm", "self-int4", ...) its chain and its tree ("draft-lm-tree")."""
+        names = ["lookup"]
+        for name in self.bundle.manifest.get("drafters", {}):
+            names += [name, f"{name}-tree"]
+        return names
+
+    def drafter(self, name: str, draft_len: int | None = None) -> Drafter:
+        """The drafter `name`, made on first use and kept (with its acceptance statistics).
+        `draft_len` None adapts the draft to the measured costs; a number fixes the chain length."""
+        if name not in self.drafters:
+            raise ValueError(f"this bundle has no drafter {name!r} (it has: {', '.join(self.drafters)}); "
+                             "add a draft model with `dflash-export draft-lm SRC --target "
+                             f"{self.bundle.folder}` or `dflash-export draft-lm --self int4 --target ...`")
+        if draft_len is not None and not 0 <= draft_len:
+            raise ValueError(f"draft_len must be >= 0 or None (adaptive); got {draft_len}")
+        key = (name, draft_len)
+        if key not in self._drafters:
+            if self._cost is None:  # scratch rows: only ever before a generation's prefill
+                self._cost = VerifyCost.measure(self.target)
+            policy = Policy(self._cost, draft_len)
+            if name == "lookup":
+                self._drafters[key] = LookupDrafter(policy)
+            else:
+                tree = name.endswith("-tree")
+                model = self._draft_model(name.removesuffix("-tree"))
+                self._drafters[key] = ModelDrafter(policy, model, tree)
+        return self._drafters[key]
+
+    def _draft_model(self, name: str) -> Target:
+        if name not in self._draft_models:
+            entry = self.bundle.manifest["drafters"][name]
+            draft = load_bundle(self.bundle.folder / entry["dir"])
+            if self.codec.tokenizer.get_vocab() != TextCodec(draft).tokenizer.get_vocab():
+                raise BundleError(f"the drafter in {draft.folder} has another tokenizer than the target "
+                                  f"{self.bundle.folder}: a draft model must share the target's "
+                                  "vocabulary; export a drafter from the same model family")
+            threads = len(self.draft_cores) if self.draft_cores else self.threads
+            self._draft_models[name] = Target(draft, threads, self.draft_cores, exact=False)
+        return self._draft_models[name]
 
     def encode(self, prompt: str | None = None, messages: list[dict] | None = None,
                input_ids: list[int] | None = None) -> list[int]:
@@ -90,21 +160,20 @@ class Model:
                input_ids: list[int] | None = None, max_new_tokens: int = 128,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None, ignore_eos: bool = False,
-               drafter: str | None = None, draft_len: int = 8) -> "Generation":
+               drafter: str | None = None, draft_len: int | None = None) -> "Generation":
         """An iterator of text pieces; its `.result` holds tokens, finish reason and stats.
 
         temperature 0 is greedy decoding; `stop` is a string or a list of strings that end
         the text (not included); `ignore_eos` decodes past EOS up to max_new_tokens.
-        `drafter="lookup"` speculates `draft_len` tokens a step by prompt lookup (greedy only)."""
+        `drafter` ("lookup", "draft-lm", "self-int4-tree", ...; see `.drafters`) decodes
+        speculatively, with output identical to decoding without it (greedy), or
+        distributed identically (sampling); `draft_len` fixes its chain length."""
         ids = self.encode(prompt, messages, input_ids)
         params = SamplingParams(temperature, top_k, top_p, seed)
-        if drafter not in (None, "lookup"):
-            raise ValueError(f"unknown drafter {drafter!r}; available: lookup")
-        if drafter and not params.greedy:
-            raise ValueError("speculative decoding here is greedy only so far: use temperature=0")
         self._check_length(len(ids), max_new_tokens)
+        chosen = self.drafter(drafter, draft_len) if drafter else None
         eos = set() if ignore_eos else self.eos_ids
-        return Generation(self, ids, params, max_new_tokens, stop, eos, drafter, draft_len)
+        return Generation(self, ids, params, max_new_tokens, stop, eos, chosen)
 
     def generate(self, prompt: str | None = None, **kwargs) -> Result:
         generation = self.stream(prompt, **kwargs)
@@ -141,10 +210,10 @@ class Generation:
     """One generation in progress: iterate for text pieces, then read `.result`."""
 
     def __init__(self, model: Model, ids: list[int], params: SamplingParams, max_new_tokens: int,
-                 stop, eos_ids: set[int], drafter: str | None = None, draft_len: int = 0):
+                 stop, eos_ids: set[int], drafter: Drafter | None = None):
         self.model, self.ids, self.params, self.eos_ids = model, ids, params, eos_ids
         self.max_new_tokens = max_new_tokens
-        self.drafter, self.draft_len = drafter, draft_len
+        self.drafter = drafter
         self.stops = StopMatcher(stop)
         self.result = Result(stats=Stats(prompt_tokens=len(ids)))
 
@@ -170,8 +239,8 @@ class Generation:
         first = sampler(target.prefill(self.ids))
         stats.prefill_ms = (time.perf_counter() - start) * 1e3
         yield [first]
-        if self.drafter == "lookup":
-            yield from greedy_chain(target, self.ids + [first], lookup_draft, self.draft_len, stats)
+        if self.drafter:
+            yield from speculative_steps(target, self.drafter, self.ids + [first], sampler, stats)
         else:
             yield from self.model._decode_tokens(first, len(self.ids), sampler, stats)
 

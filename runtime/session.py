@@ -28,6 +28,10 @@ def make_session(path, bundle: Bundle, threads: int | None = None,
                                           ";".join(str(c + 1) for c in cores[1:]))
     opts.intra_op_num_threads = threads or len(os.sched_getaffinity(0))
     opts.inter_op_num_threads = 1
+    # Pool threads spin between the ops of a run (fast hand-offs) but stop when it ends:
+    # left spinning, a session's idle threads take the cores the other session (the
+    # drafter, or the app) runs on next, and its steps slow down 1.5-2x.
+    opts.add_session_config_entry("session.force_spinning_stop", "1")
     if bundle.manifest.get("ops_library"):
         from dflash import ops
 

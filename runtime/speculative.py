@@ -1,48 +1,88 @@
-"""Speculative decoding, greedy, with a chain of drafted tokens verified in one target call.
+"""Speculative decoding: propose a tree of draft tokens, verify it in one target call, accept.
 
-Each step feeds [last committed token, d1..dk] at positions past..past+k with a causal mask.
-The target's own choice after each prefix decides: the longest run of drafts equal to the
-target's argmax is accepted, plus the target's token after it (the bonus).  Rows written
-for rejected drafts lie at or beyond the new past length, which attention never reads, so a
-chain needs no cache compaction.  (Trees, sampling and adaptive lengths: issue 4.)
+A draft is a tree below the root, the last committed token (which is not cached yet).
+Its nodes are listed parents-first; node i sits in verify row i + 1 at position
+past + depth, and attends to the cache and to its ancestors (the tree mask).  A chain
+is the tree where every node's parent is the one before it.
+
+Acceptance walks down from the root: at each row the target picks its token (argmax, or
+a sample from its distribution), and the walk moves to the child holding that token, or
+stops there.  The picked tokens are the output, so it is exactly the target's own greedy
+decoding, and for sampling exactly distributed as plain sampling (sample-and-match: each
+token is drawn from the target's distribution given a prefix of target-drawn tokens).
+The accepted path's K/V rows then move together, so the cache holds only committed rows.
 """
 
 from __future__ import annotations
 
+import time
+from dataclasses import dataclass, field
 from typing import Iterator
 
 import numpy as np
 
-from .target import causal_mask
+
+@dataclass
+class Draft:
+    tokens: list[int] = field(default_factory=list)
+    parents: list[int] = field(default_factory=list)  # parent node index; -1 is the root
+
+    @classmethod
+    def chain(cls, tokens: list[int]) -> "Draft":
+        return cls(list(tokens), list(range(-1, len(tokens) - 1)))
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def tree_inputs(self) -> tuple[np.ndarray, np.ndarray]:
+        """Depth of each verify row (root first) and the mask: row r sees row c iff c is r or an ancestor."""
+        n = len(self.tokens) + 1
+        depth = np.zeros(n, np.int64)
+        mask = np.eye(n, dtype=np.bool_)
+        mask[:, 0] = True
+        for node, parent in enumerate(self.parents):
+            row, parent_row = node + 1, parent + 1
+            if not 0 <= parent_row < row:
+                raise ValueError(f"draft node {node} has parent {parent}: parents must come first")
+            mask[row] |= mask[parent_row]
+            depth[row] = depth[parent_row] + 1
+        return depth, mask
 
 
-def lookup_draft(tokens: list[int], k: int, max_ngram: int = 3) -> list[int]:
-    """Prompt lookup: the k tokens that followed the latest earlier match of the last n tokens."""
-    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
-        tail = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start : start + n] == tail:
-                return tokens[start + n : start + n + k]
-    return []
-
-
-def greedy_chain(target, history: list[int], draft_fn, k: int, stats) -> Iterator[list[int]]:
-    """After prefill: `history` is the prompt plus the first token, which is not yet cached.
-    Yields the committed tokens of each step (1 to k+1 at a time)."""
-    history = list(history)
-    last, past = history[-1], len(history) - 1
+def accept(draft: Draft, logits: np.ndarray, pick) -> tuple[list[int], list[int]]:
+    """Walk the verified tree: returns the accepted rows (root first) and the new tokens
+    (the accepted drafts, then the target's own token after them)."""
+    children: dict[tuple[int, int], int] = {}
+    for node, (token, parent) in enumerate(zip(draft.tokens, draft.parents)):
+        children.setdefault((parent + 1, token), node + 1)
+    rows, new, row = [0], [], 0
     while True:
-        room = target.capacity - past - 1  # rows left after `last`
-        draft = draft_fn(history, min(k, room)) if room > 0 else []
-        rows = [last] + draft
-        logits = target.forward(rows, np.arange(past, past + len(rows)), causal_mask(len(rows)), past)
-        choices = logits.argmax(axis=-1)
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == choices[accepted]:
-            accepted += 1
-        new = draft[:accepted] + [int(choices[accepted])]
-        stats.steps += 1
-        past += accepted + 1
-        last = new[-1]
+        token = pick(logits[row])
+        new.append(token)
+        row = children.get((row, token))
+        if row is None:
+            return rows, new
+        rows.append(row)
+
+
+def speculative_steps(target, drafter, history: list[int], pick, stats) -> Iterator[list[int]]:
+    """After prefill: `history` is the prompt plus the first token, which is not yet cached.
+    Yields the tokens committed by each verify (1 to depth + 1 at a time)."""
+    history = list(history)
+    past = len(history) - 1
+    drafter.begin()
+    while True:
+        room = target.capacity - past - 1  # cache rows left after the root's
+        start = time.perf_counter()
+        draft = drafter.propose(history, room) if room > 0 else Draft()
+        drafted = time.perf_counter()
+        depth, mask = draft.tree_inputs()
+        logits = target.forward([history[-1]] + draft.tokens, past + depth, mask, past)
+        rows, new = accept(draft, logits, pick)
+        target.keep_rows(past, rows)
+        verified = time.perf_counter()
+        drafter.observe(draft, rows, (drafted - start) * 1e3, (verified - drafted) * 1e3)
+        stats.record_step(len(rows) - 1, (drafted - start) * 1e3, (verified - drafted) * 1e3)
+        past += len(rows)
         history += new
         yield new

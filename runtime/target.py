@@ -4,9 +4,20 @@ Every input and output is bound to numpy memory allocated once.  A forward pass
 writes its new K/V rows straight into the cache buffers (past and present are bound
 to the same memory), and its logits into a preallocated buffer; a step only writes a
 few integers and calls `run_with_iobinding`.
+
+Quantized graphs run every call with at least two rows.  ORT's MatMulNBits takes a
+different kernel for one row than for several, and the two round differently (logits
+differ by up to 0.8 at int4, accuracy level 4), so a one-token decode step and a
+multi-token verify could pick different tokens.  With two rows or more, each row's
+result is bit-identical whatever the row count (tests/test_speculative.py checks it),
+so plain decoding pads its one row with a dummy second row, which costs one cache row
+of capacity.  fp32 MatMul is row-count independent and runs single rows as they are.
 """
 
 from __future__ import annotations
+
+import os
+import time
 
 import numpy as np
 import onnxruntime as ort
@@ -23,11 +34,16 @@ MAX_ROWS = 64  # rows per call; longer prompts are prefilled in chunks of this s
 
 
 class Target:
-    def __init__(self, bundle: Bundle, threads: int | None = None, cores: list[int] | None = None):
+    def __init__(self, bundle: Bundle, threads: int | None = None, cores: list[int] | None = None,
+                 exact: bool = True):
+        """`exact=False` (a drafter) skips the padding row: its rounding never reaches the output."""
         self.bundle = bundle
+        self.cores = set(cores) if cores else None
         self.session = make_session(bundle.graph_path("target"), bundle, threads, cores)
-        kv, self.capacity = bundle.kv, bundle.max_len
-        shape = (1, kv["kv_heads"], self.capacity, kv["head_dim"])
+        self.min_rows = 2 if exact and bundle.graphs["target"]["dtype"] != "fp32" else 1
+        kv = bundle.kv
+        self.capacity = bundle.max_len - (self.min_rows - 1)  # the padding row needs a cache row
+        shape = (1, kv["kv_heads"], bundle.max_len, kv["head_dim"])
         self.key_cache = [np.zeros(shape, np.float32) for _ in range(kv["layers"])]
         self.value_cache = [np.zeros(shape, np.float32) for _ in range(kv["layers"])]
         width = len(bundle.taps) * bundle.hidden_size
@@ -64,18 +80,49 @@ class Target:
     def forward(self, ids, positions, mask: np.ndarray, past: int) -> np.ndarray:
         """Run S new tokens after `past` cached rows; returns logits [S, V] (a view, valid
         until the next call).  `mask[i, j]`: new row i may attend to new row j."""
-        s = len(ids)
+        s = n = len(ids)
         if s > MAX_ROWS:
             raise ValueError(f"{s} rows in one call; at most {MAX_ROWS}")
         if past + s > self.capacity:
             raise ValueError(f"{past} cached + {s} new tokens exceed the KV capacity {self.capacity}")
+        if n < self.min_rows:  # a dummy row after the real one (see the module docstring)
+            ids, positions = [ids[0], ids[0]], [positions[0], positions[0] + 1]
+            mask, s = causal_mask(2), 2
         binding = self._binding(s)
         self._ids[0, :s] = ids
         self._pos[0, :s] = positions
         self._masks[s][...] = mask
         self._past[...] = past
+        if self.cores and os.sched_getaffinity(0) != self.cores:
+            os.sched_setaffinity(0, self.cores)  # the calling thread is one of the session's
         self.session.run_with_iobinding(binding)
-        return self._logits[0, :s]
+        return self._logits[0, :n]
+
+    def keep_rows(self, past: int, rows: list[int]) -> None:
+        """Move the cache rows `past + rows[i]` to `past + i`: after a tree verify, the
+        accepted path's rows become contiguous.  Rows only move down (rows[i] >= i, increasing)."""
+        moves = [(i, r) for i, r in enumerate(rows) if r != i]
+        if not moves:
+            return
+        dst = [past + i for i, _ in moves]
+        src = [past + r for _, r in moves]
+        for cache in (*self.key_cache, *self.value_cache):
+            cache[0, :, dst] = cache[0, :, src]
+
+    def measure_cost(self, sizes, repeats: int = 3) -> dict[int, float]:
+        """Median ms of one forward of S rows, for each S in `sizes`.  It writes scratch
+        rows into the cache, so call it before a prefill, never mid-generation."""
+        past = min(256, self.capacity - max(sizes))
+        cost = {}
+        for s in sizes:
+            ids, mask = np.full(s, 100), causal_mask(s)
+            times = []
+            for _ in range(repeats):
+                start = time.perf_counter()
+                self.forward(ids, np.arange(past, past + s), mask, past)
+                times.append((time.perf_counter() - start) * 1e3)
+            cost[s] = float(np.median(times))
+        return cost
 
     def taps(self, s: int) -> np.ndarray:
         """Tap features [S, T*H] of the last call of S rows."""

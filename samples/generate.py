@@ -43,16 +43,24 @@ def _report(result, stats: bool) -> None:
 @click.option("--top-p", default=1.0, show_default=True)
 @click.option("--seed", type=int, help="sampling seed")
 @click.option("--stop", multiple=True, help="stop string (repeatable)")
-@click.option("--threads", type=int, help="intra-op threads (default: all usable cores)")
-@click.option("--stats", is_flag=True, help="print prefill and decode statistics")
-def main(bundle, prompt, raw, system, max_new_tokens, temperature, top_k, top_p, seed, stop, threads, stats):
+@click.option("--drafter", help="speculative decoding: lookup, self-int4, self-int4-tree, draft-lm, ... "
+              "(what the bundle has); output is the same as without")
+@click.option("--draft-len", type=int, help="fixed draft chain length (default: adaptive)")
+@click.option("--threads", type=int, help="intra-op threads per session (default: all usable cores)")
+@click.option("--target-cores", help="pin the target session to these cores, e.g. 0")
+@click.option("--draft-cores", help="pin the draft model's session to these cores, e.g. 1")
+@click.option("--stats", is_flag=True, help="print prefill, decode and speculation statistics")
+def main(bundle, prompt, raw, system, max_new_tokens, temperature, top_k, top_p, seed, stop, drafter,
+         draft_len, threads, target_cores, draft_cores, stats):
     """Generate with a dflash bundle on ONNX Runtime."""
     from dflash.runtime import BundleError, Model
+    from dflash.runtime.bench import parse_cores
 
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
-                   top_p=top_p, seed=seed, stop=list(stop))
+                   top_p=top_p, seed=seed, stop=list(stop), drafter=drafter, draft_len=draft_len)
     try:
-        model = Model(bundle, threads=threads)
+        model = Model(bundle, threads=threads, target_cores=parse_cores(target_cores),
+                      draft_cores=parse_cores(draft_cores))
         history = [{"role": "system", "content": system}] if system else []
         if prompt is not None:
             messages = None if raw else history + [{"role": "user", "content": prompt}]

@@ -46,8 +46,8 @@ def make_model(arch: str, vocab_size: int, layers: int = 4, seed: int = 0):
     return model_cls(config).eval()
 
 
-def save_model_folder(arch: str, folder: Path, layers: int = 4, seed: int = 0) -> Path:
-    tokenizer = make_tokenizer()
+def save_model_folder(arch: str, folder: Path, layers: int = 4, seed: int = 0, vocab_size: int = 160) -> Path:
+    tokenizer = make_tokenizer(vocab_size)
     model = make_model(arch, len(tokenizer), layers, seed)
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)

@@ -1,0 +1,169 @@
+"""Drafters: where speculative tokens come from.
+
+Every drafter has the same three calls, so new kinds (DFlash) plug into the same loop:
+  begin()                      a generation starts
+  propose(history, room)       a Draft of at most `room` nodes after `history`
+  observe(draft, rows, ...)    which rows the target accepted, and what the step cost
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+
+from .policy import MAX_DRAFT, Acceptance, Policy
+from .speculative import Draft
+
+
+class Drafter:
+    def __init__(self, policy: Policy):
+        self.policy = policy
+        self.acceptance = Acceptance()
+        self.main: list[int] = []  # node indices of the last draft's main chain
+
+    def begin(self) -> None:
+        pass
+
+    def observe(self, draft: Draft, rows: list[int], draft_ms: float, verify_ms: float) -> None:
+        self.policy.cost.observe(len(draft) + 1, verify_ms)
+        accepted = 0
+        while accepted < len(self.main) and accepted + 1 < len(rows) and rows[accepted + 1] == self.main[accepted] + 1:
+            accepted += 1
+        if self.main:
+            self._acceptance().observe(len(self.main), accepted)
+
+    def _acceptance(self) -> Acceptance:
+        return self.acceptance
+
+
+def lookup_draft(tokens: list[int], k: int, max_ngram: int = 3) -> tuple[list[int], int]:
+    """Prompt lookup: the k tokens that followed the latest earlier match of the last n
+    tokens (n from max_ngram down to 1), and n; ([], 0) if nothing matches."""
+    for n in range(min(max_ngram, len(tokens) - 1), 0, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start : start + n] == tail:
+                return tokens[start + n : start + n + k], n
+    return [], 0
+
+
+class LookupDrafter(Drafter):
+    """Copies what followed an earlier occurrence of the latest n-gram (no model)."""
+
+    def __init__(self, policy: Policy, max_ngram: int = 3):
+        super().__init__(policy)
+        self.max_ngram = max_ngram
+        # Longer matches continue correctly more often: one acceptance record per match length.
+        self.by_match = {n: Acceptance() for n in range(1, max_ngram + 1)}
+        self.match = 0
+
+    def propose(self, history: list[int], room: int) -> Draft:
+        tokens, self.match = lookup_draft(history, min(room, MAX_DRAFT), self.max_ngram)
+        k = self.policy.chain_length(self.by_match[self.match], 0.0, len(tokens)) if tokens else 0
+        self.main = list(range(k))
+        return Draft.chain(tokens[:k])
+
+    def _acceptance(self) -> Acceptance:
+        return self.by_match[self.match]
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    z = np.exp(logits - logits.max())
+    return z / z.sum()
+
+
+class ModelDrafter(Drafter):
+    """A small causal LM on its own session and cache: drafts a chain autoregressively;
+    with `tree`, also offers the drafter's next choices at each depth as side branches.
+
+    Its cache holds `fed`, the tokens whose K/V rows it has computed.  Rows stay valid as
+    long as the tokens before them match the history, so only the tail that differs
+    (usually the target's bonus token) is fed again before drafting."""
+
+    ALTERNATIVES = 3  # side-branch candidates per depth
+
+    def __init__(self, policy: Policy, model, tree: bool = False):
+        super().__init__(policy)
+        self.model, self.tree = model, tree
+        self.fed: list[int] = []
+        self.checked = 0  # fed[:checked] is known to equal the history
+        self.ms_per_token = model.measure_cost([1])[1]
+
+    def begin(self) -> None:
+        self.checked = 0  # a new prompt: compare the whole cached prefix once
+
+    def _catch_up(self, history: list[int]) -> np.ndarray:
+        """Feed the history's uncached tail; the logits after its last token."""
+        valid, limit = self.checked, min(len(self.fed), len(history) - 1)
+        while valid < limit and self.fed[valid] == history[valid]:
+            valid += 1
+        logits = self.model.prefill(history[valid:], past=valid)
+        self.fed = list(history)
+        self.checked = len(history)
+        return logits
+
+    def propose(self, history: list[int], room: int) -> Draft:
+        k = self.policy.chain_length(self.acceptance, self.ms_per_token, room)
+        self.main = []
+        if k == 0:
+            return Draft()
+        logits = self._catch_up(history)
+        chain, options = [], []
+        one = np.ones((1, 1), np.bool_)
+        for depth in range(k):
+            if depth:
+                position = len(self.fed)
+                self.fed.append(chain[-1])
+                start = time.perf_counter()
+                logits = self.model.forward([chain[-1]], [position], one, position)[0]
+                # The cost per draft token, from single steps only: a catch-up after steps
+                # without drafts feeds many rows at once and would make drafting look dear.
+                ms = (time.perf_counter() - start) * 1e3
+                self.ms_per_token += 0.1 * (ms - self.ms_per_token)
+            if self.tree:
+                p = softmax(logits)
+                top = np.argpartition(p, -1 - self.ALTERNATIVES)[-1 - self.ALTERNATIVES:]
+                top = top[np.argsort(-p[top])]
+                options.append([(int(t), float(p[t])) for t in top])
+                chain.append(int(top[0]))
+            else:
+                chain.append(int(np.argmax(logits)))
+        if not self.tree:
+            self.main = list(range(k))
+            return Draft.chain(chain)
+        return self._tree(chain, options, room)
+
+    def _tree(self, chain: list[int], options: list, room: int) -> Draft:
+        """The chain plus the side branches worth their verify rows: a branch at depth i
+        is taken when the chain's i-th token is rejected and the target picks it instead."""
+        k = len(chain)
+        reach = np.concatenate(([1.0], self.acceptance.reach(k)))
+        rates = self.acceptance.rates()
+        candidates = []
+        for depth, choices in enumerate(options):
+            (_, p_main), *others = choices
+            for token, p in others:
+                gain = reach[depth] * (1 - rates[depth]) * p / max(1 - p_main, 1e-6)
+                candidates.append((gain, depth, token))
+        candidates.sort(reverse=True)
+        rate = self.policy.rate(self.acceptance, k, self.ms_per_token)
+        side: dict[int, list[int]] = {}
+        rows = k + 1
+        for gain, depth, token in candidates:
+            if rows - 1 >= room or not self.policy.worth_adding(gain, rows, rate):
+                break
+            if self.policy.fixed is not None and side.get(depth):
+                continue  # fixed mode: one side branch per depth
+            side.setdefault(depth, []).append(token)
+            rows += 1
+        draft, parent = Draft(), -1
+        for depth, token in enumerate(chain):  # parents first: depth by depth
+            self.main.append(len(draft.tokens))
+            draft.tokens.append(token)
+            draft.parents.append(parent)
+            for other in side.get(depth, []):
+                draft.tokens.append(other)
+                draft.parents.append(parent)
+            parent = self.main[-1]
+        return draft
