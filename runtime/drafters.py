@@ -68,6 +68,31 @@ class LookupDrafter(Drafter):
         return self.by_match[self.match]
 
 
+class Calibration:
+    """P(a draft token is accepted, once reached) by the drafter's own probability for it:
+    running rates in probability bins, each starting from its bin's middle."""
+
+    BINS, WEIGHT = 10, 2.0
+
+    def __init__(self, decay: float = 0.995):
+        self.accepted = np.zeros(self.BINS)
+        self.tried = np.zeros(self.BINS)
+        self.decay = decay
+
+    def _bin(self, p: float) -> int:
+        return min(int(p * self.BINS), self.BINS - 1)
+
+    def __call__(self, p: float) -> float:
+        b = self._bin(p)
+        prior = (b + 0.5) / self.BINS
+        return (self.accepted[b] + self.WEIGHT * prior) / (self.tried[b] + self.WEIGHT)
+
+    def observe(self, p: float, accepted: bool) -> None:
+        b = self._bin(p)
+        self.accepted[b] = self.decay * self.accepted[b] + accepted
+        self.tried[b] = self.decay * self.tried[b] + 1
+
+
 def softmax(logits: np.ndarray) -> np.ndarray:
     z = np.exp(logits - logits.max())
     return z / z.sum()
@@ -89,6 +114,16 @@ class ModelDrafter(Drafter):
         self.fed: list[int] = []
         self.checked = 0  # fed[:checked] is known to equal the history
         self.ms_per_token = model.measure_cost([1])[1]
+        self.calibration = Calibration()
+        self.confidence: list[float] = []  # the drafter's probability of each chain token
+
+    def observe(self, draft: Draft, rows: list[int], draft_ms: float, verify_ms: float) -> None:
+        super().observe(draft, rows, draft_ms, verify_ms)
+        for depth, p in enumerate(self.confidence[: len(self.main)]):
+            accepted = depth + 1 < len(rows) and rows[depth + 1] == self.main[depth] + 1
+            self.calibration.observe(p, accepted)
+            if not accepted:
+                break
 
     def begin(self) -> None:
         self.checked = 0  # a new prompt: compare the whole cached prefix once
@@ -104,15 +139,22 @@ class ModelDrafter(Drafter):
         return logits
 
     def propose(self, history: list[int], room: int) -> Draft:
-        k = self.policy.chain_length(self.acceptance, self.ms_per_token, room)
-        self.main = []
-        if k == 0:
+        """Draft while the next token is worth its cost: the chance of reaching it (the
+        calibrated confidences of the tokens before it) times the typical acceptance."""
+        self.main, self.confidence = [], []
+        limit = min(room, MAX_DRAFT)
+        planned = self.policy.chain_length(self.acceptance, self.ms_per_token, limit)
+        if planned == 0:
             return Draft()
+        fixed = self.policy.fixed is not None
+        rate = self.policy.rate(self.acceptance, planned, self.ms_per_token)
         logits = self._catch_up(history)
-        chain, options = [], []
+        chain, options, reach = [], [], [1.0]
         one = np.ones((1, 1), np.bool_)
-        for depth in range(k):
+        for depth in range(planned if fixed else limit):
             if depth:
+                if not fixed and not self._worth_drafting(reach[-1], depth, rate):
+                    break
                 position = len(self.fed)
                 self.fed.append(chain[-1])
                 start = time.perf_counter()
@@ -121,35 +163,40 @@ class ModelDrafter(Drafter):
                 # without drafts feeds many rows at once and would make drafting look dear.
                 ms = (time.perf_counter() - start) * 1e3
                 self.ms_per_token += 0.1 * (ms - self.ms_per_token)
-            if self.tree:
-                p = softmax(logits)
-                top = np.argpartition(p, -1 - self.ALTERNATIVES)[-1 - self.ALTERNATIVES:]
-                top = top[np.argsort(-p[top])]
-                options.append([(int(t), float(p[t])) for t in top])
-                chain.append(int(top[0]))
-            else:
-                chain.append(int(np.argmax(logits)))
+            p = softmax(logits)
+            top = np.argpartition(p, -1 - self.ALTERNATIVES)[-1 - self.ALTERNATIVES:]
+            top = top[np.argsort(-p[top])]
+            options.append([(int(t), float(p[t])) for t in top])
+            chain.append(int(top[0]))
+            self.confidence.append(float(p[top[0]]))
+            reach.append(reach[-1] * self.calibration(self.confidence[-1]))
+        while not fixed and len(chain) > 1 and reach[len(chain)] < self._row_cost(len(chain) - 1) * rate:
+            chain.pop()  # drafted but not worth a verify row
         if not self.tree:
-            self.main = list(range(k))
+            self.main = list(range(len(chain)))
             return Draft.chain(chain)
-        return self._tree(chain, options, room)
+        return self._tree(chain, options, reach, room, rate)
 
-    def _tree(self, chain: list[int], options: list, room: int) -> Draft:
+    def _row_cost(self, depth: int) -> float:
+        """What verifying one more row costs after `depth` drafts (ms)."""
+        return self.policy.cost(depth + 2) - self.policy.cost(depth + 1)
+
+    def _worth_drafting(self, reach: float, depth: int, rate: float) -> bool:
+        gain = reach * self.acceptance.rates()[depth]
+        return gain > (self.ms_per_token + self._row_cost(depth)) * rate
+
+    def _tree(self, chain: list[int], options: list, reach: list[float], room: int, rate: float) -> Draft:
         """The chain plus the side branches worth their verify rows: a branch at depth i
         is taken when the chain's i-th token is rejected and the target picks it instead."""
-        k = len(chain)
-        reach = np.concatenate(([1.0], self.acceptance.reach(k)))
-        rates = self.acceptance.rates()
         candidates = []
-        for depth, choices in enumerate(options):
+        for depth, choices in enumerate(options[: len(chain)]):
             (_, p_main), *others = choices
+            missed = reach[depth] - reach[depth + 1]  # P(reach depth i, reject the chain's token)
             for token, p in others:
-                gain = reach[depth] * (1 - rates[depth]) * p / max(1 - p_main, 1e-6)
-                candidates.append((gain, depth, token))
+                candidates.append((missed * p / max(1 - p_main, 1e-6), depth, token))
         candidates.sort(reverse=True)
-        rate = self.policy.rate(self.acceptance, k, self.ms_per_token)
         side: dict[int, list[int]] = {}
-        rows = k + 1
+        rows = len(chain) + 1
         for gain, depth, token in candidates:
             if rows - 1 >= room or not self.policy.worth_adding(gain, rows, rate):
                 break
