@@ -160,17 +160,20 @@ class Model:
                input_ids: list[int] | None = None, max_new_tokens: int = 128,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0,
                seed: int | None = None, stop=None, ignore_eos: bool = False,
-               drafter: str | None = None, draft_len: int | None = None) -> "Generation":
+               drafter: str | None = None, draft_len: int | None = None,
+               truncate: str | None = None) -> "Generation":
         """An iterator of text pieces; its `.result` holds tokens, finish reason and stats.
 
         temperature 0 is greedy decoding; `stop` is a string or a list of strings that end
         the text (not included); `ignore_eos` decodes past EOS up to max_new_tokens.
         `drafter` ("lookup", "draft-lm", "self-int4-tree", ...; see `.drafters`) decodes
         speculatively, with output identical to decoding without it (greedy), or
-        distributed identically (sampling); `draft_len` fixes its chain length."""
+        distributed identically (sampling); `draft_len` fixes its chain length.
+        A prompt that fills the cache is an error, or with `truncate="left"` loses its oldest
+        tokens; generation stops with finish reason "length" when the cache is full."""
         ids = self.encode(prompt, messages, input_ids)
         params = SamplingParams(temperature, top_k, top_p, seed)
-        self._check_length(len(ids), max_new_tokens)
+        ids, max_new_tokens = self._fit(ids, max_new_tokens, truncate)
         chosen = self.drafter(drafter, draft_len) if drafter else None
         eos = set() if ignore_eos else self.eos_ids
         return Generation(self, ids, params, max_new_tokens, stop, eos, chosen)
@@ -181,19 +184,21 @@ class Model:
             pass
         return generation.result
 
-    def _check_length(self, prompt_tokens: int, max_new_tokens: int) -> None:
+    def _fit(self, ids: list[int], max_new_tokens: int, truncate: str | None) -> tuple[list[int], int]:
+        """The prompt and token budget that fit the cache: generating n tokens feeds n-1 of
+        them back, so at most capacity - prompt + 1 new tokens (then finish reason "length")."""
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be at least 1; got {max_new_tokens}")
-        if prompt_tokens >= self.capacity:
-            raise ValueError(f"the prompt has {prompt_tokens} tokens but this bundle holds "
-                             f"{self.capacity} in all: shorten the prompt, or re-export with a "
-                             "larger --max-len")
-        # Generating n tokens feeds n-1 of them back through the cache.
-        if prompt_tokens + max_new_tokens - 1 > self.capacity:
-            raise ValueError(f"prompt ({prompt_tokens} tokens) + max_new_tokens ({max_new_tokens}) "
-                             f"exceeds the bundle's capacity of {self.capacity} tokens: lower "
-                             f"max_new_tokens to {self.capacity - prompt_tokens + 1} or re-export "
-                             "with a larger --max-len")
+        if truncate not in (None, "left"):
+            raise ValueError(f"truncate must be None or 'left'; got {truncate!r}")
+        if len(ids) >= self.capacity:
+            if truncate is None:
+                raise ValueError(f"the prompt has {len(ids)} tokens but this bundle holds {self.capacity} "
+                                 "in all: shorten the prompt, pass truncate='left' to drop its oldest "
+                                 "tokens, or re-export with a larger --max-len")
+            # Keep at least half the cache for the prompt, and room for the answer up to that.
+            ids = ids[-(self.capacity - min(max_new_tokens, self.capacity // 2)):]
+        return ids, min(max_new_tokens, self.capacity - len(ids) + 1)
 
     def _decode_tokens(self, token: int, past: int, sampler: Sampler, stats: Stats) -> Iterator[list[int]]:
         """Plain autoregressive decoding after `token`: yields one new token at a time."""

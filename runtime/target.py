@@ -93,9 +93,15 @@ class Target:
         self._pos[0, :s] = positions
         self._masks[s][...] = mask
         self._past[...] = past
-        if self.cores and os.sched_getaffinity(0) != self.cores:
-            os.sched_setaffinity(0, self.cores)  # the calling thread is one of the session's
-        self.session.run_with_iobinding(binding)
+        if self.cores:  # the calling thread is one of the session's: pin it for the run
+            previous = os.sched_getaffinity(0)
+            os.sched_setaffinity(0, self.cores)
+            try:
+                self.session.run_with_iobinding(binding)
+            finally:
+                os.sched_setaffinity(0, previous)
+        else:
+            self.session.run_with_iobinding(binding)
         return self._logits[0, :n]
 
     def keep_rows(self, past: int, rows: list[int]) -> None:

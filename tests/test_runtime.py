@@ -55,14 +55,24 @@ def test_missing_bundle_file(tiny, tmp_path, name):
 
 
 def test_prompt_longer_than_capacity(model):
-    with pytest.raises(ValueError, match="capacity|holds 128"):
+    with pytest.raises(ValueError, match="holds 128 in all.*truncate='left'"):
         model.generate(input_ids=[5] * 128, max_new_tokens=1)
 
 
-def test_max_new_tokens_past_capacity(model):
-    with pytest.raises(ValueError, match="lower max_new_tokens to 29"):
-        model.generate(input_ids=[5] * 100, max_new_tokens=40)
-    assert len(model.generate(input_ids=[5] * 100, max_new_tokens=29, ignore_eos=True).tokens) == 29
+def test_prompt_truncated_on_the_left_on_request(model):
+    ids = [5 + i % 50 for i in range(300)]
+    result = model.generate(input_ids=ids, max_new_tokens=8, ignore_eos=True, truncate="left")
+    kept = model.generate(input_ids=ids[-120:], max_new_tokens=8, ignore_eos=True)
+    assert result.stats.prompt_tokens == 120 and result.tokens == kept.tokens
+    with pytest.raises(ValueError, match="truncate must be None or 'left'"):
+        model.generate(input_ids=ids, truncate="right")
+
+
+def test_max_new_tokens_past_capacity_stops_with_length(model):
+    """100 prompt tokens in a 128-row cache leave room for 29 new tokens (the last is never fed back)."""
+    full = model.generate(input_ids=[5] * 100, max_new_tokens=40, ignore_eos=True)
+    assert len(full.tokens) == 29 and full.finish_reason == "length"
+    assert model.generate(input_ids=[5] * 100, max_new_tokens=29, ignore_eos=True).tokens == full.tokens
 
 
 @pytest.mark.parametrize("kwargs, message", [
