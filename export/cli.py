@@ -160,6 +160,122 @@ def export_draft_lm(src, target_dir, self_dtype=None, dtype="fp32"):
     click.echo(f"drafter {name} ({source.model_id}, {dtype}) added to {target_dir}", err=True)
 
 
+@main.command("drafter")
+@click.argument("src")
+@click.option("--target", "target_dir", required=True, type=click.Path(path_type=Path),
+              help="the target bundle the drafter is added to")
+@click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
+def drafter(src, target_dir, dtype):
+    """Add a DFlash drafter to a target bundle: SRC is a checkpoint folder in z-lab's layout
+    (config.json + safetensors, e.g. z-lab/Qwen3-4B-DFlash-b16) trained for that target."""
+    try:
+        export_dflash(src, target_dir, dtype)
+    except (SourceError, FileExistsError) as e:
+        raise click.ClickException(str(e))
+
+
+def export_dflash(src, target_dir, dtype="fp32"):
+    """Export the drafter graph into the target bundle (drafter.onnx) and list it in the manifest."""
+    import shutil
+
+    from . import sources
+    from .bundle import MANIFEST, write_manifest
+    from .dflash import DFlashDrafter, export_onnx
+    from .quantize import quantize
+
+    target_dir = Path(target_dir)
+    progress = Progress(4 if dtype == "fp32" else 5)
+    try:
+        manifest = json.loads((target_dir / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SourceError(f"{target_dir} is not a readable dflash bundle ({e}); export the target first "
+                          "with `dflash-export target`")
+    progress(f"loading the drafter {src} and the target's embedding and lm_head")
+    drafter = DFlashDrafter.load(src)
+    c = drafter.config
+    target = sources.load(manifest["source"]).model
+    check_drafter_fits(c, target.config, manifest, src)
+    embed = target.get_input_embeddings().weight.detach().float()
+    lm_head = target.lm_head.weight.detach().float().t().contiguous()
+    capacity = manifest["max_len"] + c.block_size  # the block's scratch rows follow the context
+    work = target_dir / ".drafter.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        progress(f"exporting the drafter graph ({c.layers} layers, block {c.block_size}, "
+                 f"{sum(p.numel() for p in drafter.parameters()) / 1e6:.1f}M parameters)")
+        graph = "drafter.onnx"
+        export_onnx(drafter, embed, lm_head, capacity, manifest["attention"], work / graph)
+        if dtype != "fp32":
+            progress(f"quantizing to {dtype} (MatMulNBits)")
+            graph = f"drafter_{dtype}.onnx"
+            quantize(work / "drafter.onnx", work / graph, dtype)
+        progress("checking ONNX Runtime against the torch reference")
+        diff = check_drafter(drafter, embed, lm_head, capacity, work / graph, manifest)
+        click.echo(f"  max |logits(ORT) - logits(torch)| = {diff:.3g}", err=True)
+        for old in target_dir.glob("drafter*.onnx*"):
+            old.unlink()
+        for name in (graph, graph + ".data"):
+            (work / name).replace(target_dir / name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    progress("writing the manifest")
+    manifest.pop("format_version", None)
+    manifest["graphs"]["drafter"] = {"file": graph, "dtype": dtype}
+    manifest.update(block_size=c.block_size, mask_token_id=c.mask_token_id)
+    manifest["dflash"] = {"source": str(Path(src).resolve()), "block_size": c.block_size,
+                          "mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids,
+                          "capacity": capacity, "kv": {"layers": c.layers, "kv_heads": c.kv_heads,
+                                                       "heads": c.heads, "head_dim": c.head_dim},
+                          "export_check": {"logits": diff}}
+    write_manifest(target_dir, manifest)
+    return manifest
+
+
+def check_drafter_fits(c, target_config, manifest: dict, src) -> None:
+    """The drafter must read taps the target bundle produces, and embed a mask id it has."""
+    layers = target_config.num_hidden_layers
+    bad = [t for t in c.target_layer_ids if not 0 <= t < layers]
+    if bad:
+        raise SourceError(f"{src}: target_layer_ids {c.target_layer_ids} exceed the target's {layers} layers "
+                          "(ids are layer outputs 0..N-1): this drafter was trained for another target")
+    if c.hidden_size != target_config.hidden_size:
+        raise SourceError(f"{src}: hidden size {c.hidden_size} differs from the target's "
+                          f"{target_config.hidden_size}: this drafter was trained for another target")
+    if not 0 <= c.mask_token_id < target_config.vocab_size:
+        raise SourceError(f"{src}: mask_token_id {c.mask_token_id} lies outside the target's embedding "
+                          f"(0..{target_config.vocab_size - 1}): this drafter was trained for another target")
+    if c.target_layer_ids != manifest["taps"]:
+        taps = ",".join(map(str, c.target_layer_ids))
+        raise SourceError(f"the drafter reads target layers {c.target_layer_ids} but the bundle's taps are "
+                          f"{manifest['taps']}: re-export the target with `--taps {taps}`")
+
+
+def check_drafter(drafter, embed, lm_head, capacity: int, graph: Path, manifest: dict) -> float:
+    """Max |ORT - torch| of the drafter's logits for 0, 1 and B new context rows."""
+    import numpy as np
+    import torch
+
+    from dflash.runtime.session import make_session
+
+    from .dflash import DrafterGraph, example_inputs
+
+    from types import SimpleNamespace
+
+    # make_session reads only the op library from the manifest
+    info = SimpleNamespace(manifest={"ops_library": "dflash_ops" if manifest["attention"] == "custom" else None})
+    session = make_session(graph, info, threads=None)
+    reference = DrafterGraph(drafter, embed, lm_head, capacity)
+    worst = 0.0
+    for n in (0, 1, drafter.config.block_size):
+        inputs = example_inputs(drafter.config, capacity, n=n, past=7, seed=n)
+        feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
+        out = session.run(["logits"], feeds)[0]
+        with torch.no_grad():
+            worst = max(worst, float(np.abs(out - reference(*inputs)[0].numpy()).max()))
+    return worst
+
+
 def check_same_tokenizer(tokenizer, target_tokenizer_file: Path, src) -> None:
     """A draft model proposes token ids: they must mean the same strings to the target."""
     from tokenizers import Tokenizer

@@ -17,6 +17,8 @@ from .speculative import Draft
 
 
 class Drafter:
+    wants_taps = False  # True: the loop hands it the target's taps of committed tokens (add_context)
+
     def __init__(self, policy: Policy):
         self.policy = policy
         self.acceptance = Acceptance()

@@ -11,6 +11,7 @@ from typing import Iterator
 import numpy as np
 
 from .bundle import BundleError, load_bundle
+from .dflash import DFlashDrafter, DrafterSession
 from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .policy import Policy, VerifyCost
 from .sampling import Sampler, SamplingParams
@@ -93,6 +94,7 @@ class Model:
         self._busy = threading.Lock()
         self._cost: VerifyCost | None = None
         self._draft_models: dict[str, Target] = {}
+        self._dflash: DrafterSession | None = None
         self._drafters: dict[tuple, Drafter] = {}
 
     @property
@@ -100,6 +102,8 @@ class Model:
         """The drafters this bundle supports: "lookup", and for each draft model in the
         bundle ("draft-lm", "self-int4", ...) its chain and its tree ("draft-lm-tree")."""
         names = ["lookup"]
+        if "drafter" in self.bundle.graphs:
+            names += ["dflash", "dflash-tree"]
         for name in self.bundle.manifest.get("drafters", {}):
             names += [name, f"{name}-tree"]
         return names
@@ -120,6 +124,11 @@ class Model:
             policy = Policy(self._cost, draft_len)
             if name == "lookup":
                 self._drafters[key] = LookupDrafter(policy)
+            elif name.startswith("dflash"):
+                if self._dflash is None:
+                    threads = len(self.draft_cores) if self.draft_cores else self.threads
+                    self._dflash = DrafterSession(self.bundle, threads, self.draft_cores)
+                self._drafters[key] = DFlashDrafter(policy, self._dflash, tree=name == "dflash-tree")
             else:
                 tree = name.endswith("-tree")
                 model = self._draft_model(name.removesuffix("-tree"))
@@ -166,7 +175,7 @@ class Model:
 
         temperature 0 is greedy decoding; `stop` is a string or a list of strings that end
         the text (not included); `ignore_eos` decodes past EOS up to max_new_tokens.
-        `drafter` ("lookup", "draft-lm", "self-int4-tree", ...; see `.drafters`) decodes
+        `drafter` ("dflash", "dflash-tree", "lookup", "self-int4", ...; see `.drafters`) decodes
         speculatively, with output identical to decoding without it (greedy), or
         distributed identically (sampling); `draft_len` fixes its chain length.
         A prompt that fills the cache is an error, or with `truncate="left"` loses its oldest
@@ -239,9 +248,15 @@ class Generation:
 
     def _token_chunks(self, stats: Stats) -> Iterator[list[int]]:
         """Prefill, the first token, then the chosen decoding loop's chunks of new tokens."""
-        target, sampler = self.model.target, Sampler(self.params)
+        target, sampler, drafter = self.model.target, Sampler(self.params), self.drafter
+        on_chunk = None
+        if drafter:
+            drafter.begin()
+            if drafter.wants_taps:  # the prompt's taps are the drafter's first context
+                def on_chunk(start, s):
+                    drafter.add_context(target.taps(s))
         start = time.perf_counter()
-        first = sampler(target.prefill(self.ids))
+        first = sampler(target.prefill(self.ids, on_chunk=on_chunk))
         stats.prefill_ms = (time.perf_counter() - start) * 1e3
         yield [first]
         if self.drafter:

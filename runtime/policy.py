@@ -75,7 +75,8 @@ class Policy:
         self.cost, self.fixed = cost, fixed
         self.skipped = 0
 
-    def chain_length(self, acceptance: Acceptance, draft_ms: float, limit: int) -> int:
+    def chain_length(self, acceptance: Acceptance, draft_ms: float, limit: int, fixed_ms: float = 0.0) -> int:
+        """Drafts `draft_ms` per token and `fixed_ms` per call (when it drafts at all)."""
         limit = min(limit, MAX_DRAFT)
         if self.fixed is not None:
             return min(self.fixed, limit)
@@ -83,7 +84,7 @@ class Policy:
             return 0
         gained = 1 + np.concatenate(([0.0], np.cumsum(acceptance.reach(limit))))
         k = np.arange(limit + 1)
-        spent = k * draft_ms + self.cost.ms[k + 1]
+        spent = k * draft_ms + (k > 0) * fixed_ms + self.cost.ms[k + 1]
         best = int(np.argmax(gained / spent))
         if best == 0:  # keep the acceptance figures current, or they could never recover
             self.skipped += 1

@@ -40,3 +40,16 @@ def make_session(path, bundle: Bundle, threads: int | None = None,
         return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise BundleError(f"ONNX Runtime could not load {path}: {e}") from e
+
+
+def run_pinned(session: ort.InferenceSession, binding: ort.IOBinding, cores: set[int] | None) -> None:
+    """Run; with `cores`, the calling thread (one of the session's) runs pinned to them."""
+    if not cores:
+        session.run_with_iobinding(binding)
+        return
+    previous = os.sched_getaffinity(0)
+    os.sched_setaffinity(0, cores)
+    try:
+        session.run_with_iobinding(binding)
+    finally:
+        os.sched_setaffinity(0, previous)

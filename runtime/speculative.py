@@ -66,11 +66,10 @@ def accept(draft: Draft, logits: np.ndarray, pick) -> tuple[list[int], list[int]
 
 
 def speculative_steps(target, drafter, history: list[int], pick, stats) -> Iterator[list[int]]:
-    """After prefill: `history` is the prompt plus the first token, which is not yet cached.
-    Yields the tokens committed by each verify (1 to depth + 1 at a time)."""
+    """After prefill (and `drafter.begin()` before it): `history` is the prompt plus the
+    first token, which is not yet cached.  Yields the tokens committed by each verify."""
     history = list(history)
     past = len(history) - 1
-    drafter.begin()
     while True:
         room = target.capacity - past - 1  # cache rows left after the root's
         start = time.perf_counter()
@@ -79,6 +78,8 @@ def speculative_steps(target, drafter, history: list[int], pick, stats) -> Itera
         depth, mask = draft.tree_inputs()
         logits = target.forward([history[-1]] + draft.tokens, past + depth, mask, past)
         rows, new = accept(draft, logits, pick)
+        if drafter.wants_taps:  # before keep_rows: taps are per verify row, not per cache row
+            drafter.add_context(target.taps(len(draft) + 1)[rows])
         target.keep_rows(past, rows)
         verified = time.perf_counter()
         drafter.observe(draft, rows, (drafted - start) * 1e3, (verified - drafted) * 1e3)

@@ -16,14 +16,13 @@ of capacity.  fp32 MatMul is row-count independent and runs single rows as they 
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
 import onnxruntime as ort
 
 from .bundle import Bundle
-from .session import make_session
+from .session import make_session, run_pinned
 
 
 def _ortvalue(array: np.ndarray) -> ort.OrtValue:
@@ -93,15 +92,7 @@ class Target:
         self._pos[0, :s] = positions
         self._masks[s][...] = mask
         self._past[...] = past
-        if self.cores:  # the calling thread is one of the session's: pin it for the run
-            previous = os.sched_getaffinity(0)
-            os.sched_setaffinity(0, self.cores)
-            try:
-                self.session.run_with_iobinding(binding)
-            finally:
-                os.sched_setaffinity(0, previous)
-        else:
-            self.session.run_with_iobinding(binding)
+        run_pinned(self.session, binding, self.cores)
         return self._logits[0, :n]
 
     def keep_rows(self, past: int, rows: list[int]) -> None:

@@ -52,3 +52,48 @@ def save_model_folder(arch: str, folder: Path, layers: int = 4, seed: int = 0, v
     model.save_pretrained(folder)
     tokenizer.save_pretrained(folder)
     return folder
+
+
+def save_dflash_folder(folder: Path, hidden_size: int, target_layers: int, taps: list[int], vocab_size: int,
+                       mask_token_id: int, block_size: int = 16, layers: int = 1, heads: int = 4,
+                       kv_heads: int = 2, head_dim: int = 16, seed: int = 0, std: float = 0.2) -> Path:
+    """A random DFlash drafter in z-lab's checkpoint layout: config.json + model.safetensors (bf16)."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    config = {
+        "architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": hidden_size,
+        "num_hidden_layers": layers, "num_attention_heads": heads, "num_key_value_heads": kv_heads,
+        "head_dim": head_dim, "intermediate_size": 2 * hidden_size, "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0, "max_position_embeddings": 4096, "vocab_size": vocab_size,
+        "block_size": block_size, "num_target_layers": target_layers, "hidden_act": "silu",
+        "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": taps},
+    }
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return (torch.randn(*shape, generator=g) * std).to(torch.bfloat16)
+
+    def norm(n):
+        return (1 + torch.randn(n, generator=g) * 0.1).to(torch.bfloat16)
+
+    q, kv, inter = heads * head_dim, kv_heads * head_dim, 2 * hidden_size
+    state = {"fc.weight": w(hidden_size, len(taps) * hidden_size) / len(taps) ** 0.5,
+             "hidden_norm.weight": norm(hidden_size), "norm.weight": norm(hidden_size)}
+    for i in range(layers):
+        p = f"layers.{i}."
+        state.update({
+            p + "self_attn.q_proj.weight": w(q, hidden_size), p + "self_attn.k_proj.weight": w(kv, hidden_size),
+            p + "self_attn.v_proj.weight": w(kv, hidden_size), p + "self_attn.o_proj.weight": w(hidden_size, q),
+            p + "self_attn.q_norm.weight": norm(head_dim), p + "self_attn.k_norm.weight": norm(head_dim),
+            p + "mlp.gate_proj.weight": w(inter, hidden_size), p + "mlp.up_proj.weight": w(inter, hidden_size),
+            p + "mlp.down_proj.weight": w(hidden_size, inter),
+            p + "input_layernorm.weight": norm(hidden_size), p + "post_attention_layernorm.weight": norm(hidden_size),
+        })
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    return folder

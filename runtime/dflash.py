@@ -1,0 +1,145 @@
+"""The DFlash drafter at run time: one drafter call proposes a whole block.
+
+The drafter reads the target's tap features of the committed tokens (its context) and the
+block [anchor, MASK x (B-1)], and returns the K likeliest tokens at each block position.
+`dflash` drafts the argmax chain, cut where the calibrated confidence stops paying for the
+verify rows; `dflash-tree` (DDTree) grows a best-first tree over the same per-position
+candidates under a node budget the same rule sets.  Its cache holds context rows only:
+each call writes the pending context rows (those of the last step's accepted tokens) after
+the ones already there, and the block rows after those are scratch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import time
+
+import numpy as np
+import onnxruntime as ort
+
+from .bundle import Bundle
+from .drafters import Calibration, Drafter
+from .policy import MAX_DRAFT, Policy
+from .session import make_session, run_pinned
+from .speculative import Draft
+
+
+class DrafterSession:
+    def __init__(self, bundle: Bundle, threads: int | None = None, cores: list[int] | None = None):
+        info = bundle.manifest["dflash"]
+        self.cores = set(cores) if cores else None
+        self.session = make_session(bundle.graph_path("drafter"), bundle, threads, cores)
+        self.block, self.mask_id, self.capacity = info["block_size"], info["mask_token_id"], info["capacity"]
+        kv = info["kv"]
+        shape = (1, kv["kv_heads"], self.capacity, kv["head_dim"])
+        self.caches = [np.zeros(shape, np.float32) for _ in range(2 * kv["layers"])]
+        self._cache_values = [ort.OrtValue.ortvalue_from_numpy(c) for c in self.caches]
+        top_k = self.session.get_outputs()[1].shape[-1]
+        self.logits = np.zeros((1, self.block - 1, bundle.vocab_size), np.float32)
+        self.top_logprobs = np.zeros((1, self.block - 1, top_k), np.float32)
+        self.top_ids = np.zeros((1, self.block - 1, top_k), np.int64)
+        self.width = len(bundle.taps) * bundle.hidden_size
+        self._masks: dict[int, np.ndarray] = {}
+
+    def run(self, context: np.ndarray, anchor: int, past: int) -> tuple[np.ndarray, np.ndarray]:
+        """Context rows [N, T*H] at positions past..past+N-1, the anchor right after them:
+        (log-probs, ids) [B-1, K] of the likeliest tokens at block positions 1..B-1."""
+        n, b = len(context), self.block
+        binding = self.session.io_binding()
+        rows = n + b
+        mask = self._masks.setdefault(rows, np.ones((rows, rows), np.bool_))
+        binding.bind_cpu_input("context", np.ascontiguousarray(context, np.float32).reshape(1, n, self.width))
+        binding.bind_cpu_input("block_ids", np.array([[anchor] + [self.mask_id] * (b - 1)], np.int64))
+        binding.bind_cpu_input("position_ids", np.arange(past, past + rows, dtype=np.int64)[None])
+        binding.bind_cpu_input("attention_mask", mask)
+        binding.bind_cpu_input("past_len", np.array(past, np.int64))
+        for i, value in enumerate(self._cache_values):
+            kind, layer = ("key", "value")[i % 2], i // 2
+            binding.bind_ortvalue_input(f"past_{kind}_{layer}", value)
+            binding.bind_ortvalue_output(f"present_{kind}_{layer}", value)
+        for name in ("logits", "top_logprobs", "top_ids"):
+            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(getattr(self, name)))
+        run_pinned(self.session, binding, self.cores)
+        return self.top_logprobs[0], self.top_ids[0]
+
+
+class DFlashDrafter(Drafter):
+    wants_taps = True
+
+    def __init__(self, policy: Policy, session: DrafterSession, tree: bool = False):
+        super().__init__(policy)
+        self.session, self.tree = session, tree
+        self.calibration = Calibration()
+        self.confidence: list[float] = []
+        self.begin()
+        start = time.perf_counter()
+        session.run(np.zeros((1, session.width), np.float32), 0, 0)
+        self.call_ms = (time.perf_counter() - start) * 1e3
+
+    def begin(self) -> None:
+        self.past, self.pending = 0, []
+
+    def add_context(self, rows: np.ndarray) -> None:
+        self.pending.append(np.array(rows, np.float32))
+
+    def propose(self, history: list[int], room: int) -> Draft:
+        self.main, self.confidence = [], []
+        limit = min(room, self.session.block - 1, MAX_DRAFT)
+        if self.policy.chain_length(self.acceptance, 0.0, limit, fixed_ms=self.call_ms) == 0:
+            return Draft()  # the context waits in `pending` for the next call
+        context = np.concatenate(self.pending) if self.pending else np.zeros((0, self.session.width), np.float32)
+        if self.past + len(context) != len(history) - 1:
+            raise RuntimeError(f"drafter context out of step: {self.past} + {len(context)} rows "
+                               f"for {len(history) - 1} committed tokens")
+        start = time.perf_counter()
+        logprobs, ids = self.session.run(context, history[-1], self.past)
+        self.call_ms += 0.1 * ((time.perf_counter() - start) * 1e3 - self.call_ms)
+        self.past, self.pending = len(history) - 1, []
+        if self.tree:
+            return self._tree(logprobs[:limit], ids[:limit])
+        return self._chain(logprobs[:limit], ids[:limit])
+
+    def _chain(self, logprobs: np.ndarray, ids: np.ndarray) -> Draft:
+        """The argmax tokens, as many as maximise expected tokens per verify millisecond."""
+        self.confidence = np.exp(logprobs[:, 0]).tolist()
+        reach = np.cumprod([self.calibration(p) for p in self.confidence])
+        if self.policy.fixed is not None:
+            k = min(self.policy.fixed, len(reach))
+        else:
+            k_all = np.arange(len(reach) + 1)
+            gained = 1 + np.concatenate(([0.0], np.cumsum(reach)))
+            k = int(np.argmax(gained / self.policy.cost.ms[k_all + 1]))
+        self.main = list(range(k))
+        return Draft.chain(ids[:k, 0].tolist())
+
+    def _tree(self, logprobs: np.ndarray, ids: np.ndarray) -> Draft:
+        """DDTree: best-first over the per-position candidates.  A node's value is the chance
+        the target walks to it: the calibrated probabilities along its path multiplied.
+        Nodes join in value order (so parents precede children) while each raises the
+        expected tokens per millisecond, or up to the fixed budget."""
+        probs = np.exp(logprobs)
+        self.confidence = probs[:, 0].tolist()
+        fixed = self.policy.fixed
+        budget = min(fixed if fixed is not None else MAX_DRAFT, MAX_DRAFT)
+        draft, expected = Draft(), 1.0
+        frontier = [(-self.calibration(probs[0, r]), 0, r, -1, (r == 0)) for r in range(ids.shape[1])]
+        heapq.heapify(frontier)
+        while frontier and len(draft) < budget:
+            value, depth, rank, parent, on_main = heapq.heappop(frontier)
+            value = -value
+            rows = len(draft) + 1
+            if fixed is None:
+                rate = expected / self.policy.cost(rows)
+                if value <= (self.policy.cost(rows + 1) - self.policy.cost(rows)) * rate:
+                    break
+            node = len(draft)
+            draft.tokens.append(int(ids[depth, rank]))
+            draft.parents.append(parent)
+            expected += value
+            if on_main:
+                self.main.append(node)
+            if depth + 1 < len(ids):
+                for r in range(ids.shape[1]):
+                    heapq.heappush(frontier, (-value * self.calibration(probs[depth + 1, r]), depth + 1, r, node,
+                                              on_main and r == 0))
+        return draft

@@ -1,0 +1,205 @@
+"""DFlash drafters: z-lab checkpoints load and export, the ONNX drafter equals the torch
+reference, the runtime loop matches a plain torch loop, and decoding stays lossless."""
+
+import collections
+import json
+import os
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from dflash.runtime import Model
+from dflash.runtime.dflash import DrafterSession
+from test_speculative import chi_square_p_below
+
+BLOCK = 16
+
+
+@pytest.fixture(scope="module")
+def qwen3_dflash(tmp_path_factory):
+    """A tiny 8-layer Qwen3 target (taps 1..5) and a z-lab-shaped drafter: 5 taps, block 16, GQA."""
+    from dflash.export.cli import export_dflash, export_target
+    from tiny_models import save_dflash_folder, save_model_folder
+
+    base = tmp_path_factory.mktemp("qwen3_dflash")
+    hf = save_model_folder("qwen3", base / "hf", layers=8)
+    export_target(str(hf), base / "bundle", max_len=160)
+    manifest = json.loads((base / "bundle" / "dflash.json").read_text())
+    assert manifest["taps"] == [1, 2, 3, 4, 5]
+    config = json.loads((hf / "config.json").read_text())
+    drafter = save_dflash_folder(base / "drafter", config["hidden_size"], 8, manifest["taps"], config["vocab_size"],
+                                 mask_token_id=3, block_size=BLOCK, layers=2)
+    export_dflash(drafter, base / "bundle")
+    return base / "bundle", hf, drafter
+
+
+@pytest.fixture(scope="module")
+def default_dflash(default_bundle, tmp_path_factory):
+    """The default target (hard-linked copy) with a random drafter of its shape: 576 wide, 9/3 heads."""
+    from dflash.export.cli import export_dflash
+    from tiny_models import save_dflash_folder
+
+    base = tmp_path_factory.mktemp("default_dflash")
+    bundle = base / "bundle"
+    shutil.copytree(default_bundle, bundle, copy_function=os.link,
+                    ignore=shutil.ignore_patterns("self-*", "draft-lm", "drafter*"))
+    manifest = json.loads((bundle / "dflash.json").read_text())
+    manifest.pop("drafters", None)
+    (bundle / "dflash.json").unlink()  # a new file, not the linked one
+    (bundle / "dflash.json").write_text(json.dumps(manifest))
+    drafter = save_dflash_folder(base / "drafter", 576, 30, manifest["taps"], 49152, mask_token_id=2,
+                                 block_size=BLOCK, layers=1, heads=9, kv_heads=3, head_dim=64, std=0.05)
+    export_dflash(drafter, bundle)
+    return bundle, drafter
+
+
+def reference_for(bundle, drafter_folder):
+    from dflash.export import sources
+    from dflash.export.dflash import DFlashDrafter, Reference
+
+    manifest = json.loads((bundle / "dflash.json").read_text())
+    target = sources.load(manifest["source"]).model
+    drafter = DFlashDrafter.load(drafter_folder)
+    lm_head = target.lm_head.weight.detach().float().t()
+    return Reference(drafter, target.get_input_embeddings().weight.detach().float(), lm_head, 4096), drafter.config
+
+
+@pytest.mark.parametrize("which", ["qwen3", "default"])
+def test_ort_drafter_equals_torch_reference(which, request):
+    """A run of steps as the loop makes them: the prompt's rows, then 1, B, 0 and 3 new rows."""
+    fixture = request.getfixturevalue(f"{which}_dflash")
+    bundle, drafter_folder = fixture[0], fixture[-1]
+    model = Model(bundle)
+    session = DrafterSession(model.bundle)
+    reference, config = reference_for(bundle, drafter_folder)
+    rng = np.random.default_rng(0)
+    width = len(config.target_layer_ids) * config.hidden_size
+    past = 0
+    for n in (20, 1, BLOCK, 0, 3):
+        features = rng.standard_normal((n, width)).astype(np.float32)
+        anchor = int(rng.integers(0, config.vocab_size))
+        session.run(features, anchor, past)
+        expected = reference.step(torch.from_numpy(features), [anchor] + [config.mask_token_id] * (BLOCK - 1),
+                                  past + n)
+        assert np.abs(session.logits[0] - expected.numpy()).max() <= 1e-4, n
+        top = torch.log_softmax(expected, -1).topk(session.top_ids.shape[-1], -1)
+        assert np.abs(session.top_logprobs[0] - top.values.numpy()).max() <= 1e-4
+        past += n
+
+
+def test_runtime_loop_matches_the_torch_reference_loop(qwen3_dflash):
+    """Same drafts, same acceptance, step by step, with a full block verified each step."""
+    import dflash.runtime.speculative as speculative
+    from dflash.export.dflash import DFlashDrafter, reference_generate
+    from transformers import AutoModelForCausalLM
+
+    bundle, hf, drafter_folder = qwen3_dflash
+    target = AutoModelForCausalLM.from_pretrained(hf).eval()
+    drafter = DFlashDrafter.load(drafter_folder)
+    model = Model(bundle)
+    accepted, original = [], speculative.accept
+
+    def spy(draft, logits, pick):
+        rows, new = original(draft, logits, pick)
+        accepted.append(len(rows) - 1)
+        return rows, new
+
+    for ids in ([5 + i % 7 for i in range(30)], list(range(4, 90, 5))):
+        tokens, ref_accepted = reference_generate(target, drafter, ids, 40)
+        accepted.clear()
+        speculative.accept = spy
+        try:
+            result = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True, drafter="dflash",
+                                    draft_len=BLOCK - 1)
+        finally:
+            speculative.accept = original
+        assert result.tokens == tokens
+        assert accepted == ref_accepted
+
+
+def prompts():
+    return [[5 + i % 9 for i in range(40)], list(range(4, 70, 3)), [7, 30, 3, 90, 41]]
+
+
+def test_greedy_is_lossless(qwen3_dflash):
+    model = Model(qwen3_dflash[0])
+    assert {"dflash", "dflash-tree"} <= set(model.drafters)
+    for ids in prompts():
+        plain = model.generate(input_ids=ids, max_new_tokens=60, ignore_eos=True)
+        for drafter in ("dflash", "dflash-tree"):
+            for draft_len in (None, 1, 6, BLOCK - 1):
+                spec = model.generate(input_ids=ids, max_new_tokens=60, ignore_eos=True, drafter=drafter,
+                                      draft_len=draft_len)
+                assert spec.tokens == plain.tokens, (drafter, draft_len)
+
+
+def test_greedy_is_lossless_on_the_default_target(default_dflash):
+    model = Model(default_dflash[0])
+    ids = model.encode(messages=[{"role": "user", "content": "Name three colours."}])
+    plain = model.generate(input_ids=ids, max_new_tokens=24)
+    for drafter in ("dflash", "dflash-tree"):
+        assert model.generate(input_ids=ids, max_new_tokens=24, drafter=drafter, draft_len=4).tokens == plain.tokens
+
+
+def test_sampling_is_seed_for_seed_identical(qwen3_dflash):
+    model = Model(qwen3_dflash[0])
+    for seed in range(10):
+        options = dict(input_ids=prompts()[2], max_new_tokens=12, temperature=0.8, top_p=0.9, seed=seed,
+                       ignore_eos=True)
+        plain = model.generate(**options)
+        for drafter in ("dflash", "dflash-tree"):
+            assert model.generate(drafter=drafter, draft_len=4, **options).tokens == plain.tokens
+
+
+def test_sampling_distribution_matches_plain_sampling(qwen3_dflash):
+    """As in test_speculative: independent seeds, chi-square at alpha 0.001, tokens 2 and 3."""
+    model = Model(qwen3_dflash[0])
+    options = dict(input_ids=prompts()[2], max_new_tokens=3, temperature=1.0, ignore_eos=True)
+    n = 3000
+    plain = [model.generate(seed=s, **options).tokens for s in range(n)]
+    spec = [model.generate(seed=n + s, drafter="dflash-tree", draft_len=4, **options).tokens for s in range(n)]
+    for position in (1, 2):
+        a = collections.Counter(t[position] for t in plain)
+        b = collections.Counter(t[position] for t in spec)
+        stat, critical = chi_square_p_below(a, b, 0.001)
+        assert stat < critical, (position, stat, critical)
+
+
+def zlab_folder(tmp_path, **overrides):
+    from tiny_models import save_dflash_folder
+
+    options = dict(hidden_size=64, target_layers=8, taps=[1, 2, 3, 4, 5], vocab_size=259, mask_token_id=3,
+                   block_size=BLOCK)
+    options.update(overrides)
+    return save_dflash_folder(tmp_path / "drafter", **options)
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"taps": [1, 2, 3, 4, 9]}, r"target_layer_ids \[1, 2, 3, 4, 9\] exceed the target's 8 layers"),
+    ({"mask_token_id": 300}, "mask_token_id 300 lies outside the target's embedding"),
+    ({"taps": [1, 3, 5]}, r"re-export the target with `--taps 1,3,5`"),
+    ({"hidden_size": 32}, "hidden size 32 differs from the target's 64"),
+])
+def test_drafter_for_another_target_is_refused(qwen3_dflash, tmp_path, overrides, message):
+    from dflash.export.cli import export_dflash
+    from dflash.export.sources import SourceError
+
+    folder = zlab_folder(tmp_path, **overrides)
+    with pytest.raises(SourceError, match=message):
+        export_dflash(folder, qwen3_dflash[0])
+
+
+def test_not_a_dflash_checkpoint_is_refused(tmp_path):
+    from dflash.export.dflash import DFlashDrafter
+    from dflash.export.sources import SourceError
+
+    folder = zlab_folder(tmp_path)
+    config = json.loads((folder / "config.json").read_text())
+    config["architectures"] = ["DFlash2DraftModel"]
+    (folder / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SourceError, match="not a DFlash drafter"):
+        DFlashDrafter.load(folder)
+    with pytest.raises(SourceError, match="no config.json"):
+        DFlashDrafter.load(tmp_path)
