@@ -133,6 +133,11 @@ class DFlashDrafter(torch.nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.eps)
         self.layers = torch.nn.ModuleList(Layer(c) for _ in range(c.layers))
         self.norm = RMSNorm(c.hidden_size, c.eps)
+        self.d2t: torch.Tensor | None = None  # reduced draft vocabulary, if trained with one
+
+    def head(self, lm_head: torch.Tensor) -> torch.Tensor:
+        """The target's lm_head [H, V], restricted to the draft vocabulary if there is one."""
+        return lm_head if self.d2t is None else lm_head[:, self.d2t].contiguous()
 
     @classmethod
     def load(cls, folder) -> "DFlashDrafter":
@@ -148,8 +153,14 @@ class DFlashDrafter(torch.nn.Module):
             raise SourceError(f"{folder} has no .safetensors weights")
         state = {}
         for f in files:
-            state.update({k.removeprefix("model."): v.float() for k, v in load_file(str(f)).items()})
+            state.update({k.removeprefix("model."): v for k, v in load_file(str(f)).items()})
+        d2t = state.pop("d2t", None)  # a reduced draft vocabulary: draft id -> target id
+        state = {k: v.float() for k, v in state.items()}
         drafter = cls(config)
+        if d2t is not None:
+            if d2t.dim() != 1 or int(d2t.max()) >= config.vocab_size:
+                raise SourceError(f"{folder}: d2t must list target token ids below {config.vocab_size}")
+            drafter.d2t = d2t.long()
         missing, unexpected = drafter.load_state_dict(state, strict=False)
         if missing:
             raise SourceError(f"{folder}: weights missing for {', '.join(missing[:4])}"
@@ -195,7 +206,7 @@ class Reference:
     plain tensors and SDPA-style math, independent of the ONNX graph's cache op."""
 
     def __init__(self, drafter: DFlashDrafter, embed: torch.Tensor, lm_head: torch.Tensor, max_len: int):
-        self.d, self.embed, self.lm_head = drafter, embed, lm_head
+        self.d, self.embed, self.lm_head = drafter, embed, drafter.head(lm_head)
         self.cos, self.sin = drafter.config.rotary_tables(max_len)
         c = drafter.config
         self.keys = [torch.zeros(1, 0, c.kv_heads * c.head_dim) for _ in range(c.layers)]
@@ -232,7 +243,7 @@ class DrafterGraph(torch.nn.Module):
              [1,B], position_ids [1,N+B] (the context's, then the block's), attention_mask
              [N+B,N+B] bool (all true), past_len [] int64 (context rows cached),
              past_key_i / past_value_i [1,Hkv,C,D].
-    Outputs  logits [1,B-1,V]; top_logprobs / top_ids [1,B-1,K], the K likeliest tokens per
+    Outputs  logits [1,B-1,V] (V: the draft vocabulary's size, if reduced); top_logprobs / top_ids [1,B-1,K], the K likeliest tokens per
              position (what the runtime reads); present_key_i / present_value_i (the same
              buffers: rows past_len..past_len+N hold the new context, the B after them are scratch)."""
 
@@ -242,7 +253,8 @@ class DrafterGraph(torch.nn.Module):
         super().__init__()
         self.d = drafter
         self.register_buffer("embed", embed)
-        self.register_buffer("lm_head", lm_head)
+        self.register_buffer("lm_head", drafter.head(lm_head))
+        self.register_buffer("d2t", drafter.d2t if drafter.d2t is not None else torch.zeros(0, dtype=torch.long))
         cos, sin = drafter.config.rotary_tables(capacity)
         self.register_buffer("cos", cos)
         self.register_buffer("sin", sin)
@@ -261,6 +273,8 @@ class DrafterGraph(torch.nn.Module):
             x = self.d.layer_step(layer, x, ctx, position_ids, self.cos, self.sin, attend)
         logits = self.d.logits(x, self.lm_head)
         top_logprobs, top_ids = torch.log_softmax(logits, dim=-1).topk(self.TOP_K, dim=-1)
+        if self.d.d2t is not None:
+            top_ids = self.d2t[top_ids]  # draft vocabulary ids -> the target's
         return (logits, top_logprobs, top_ids, *presents)
 
 
@@ -319,7 +333,8 @@ def reference_generate(target, drafter: DFlashDrafter, ids: list[int], max_new_t
         committed = ids + new
         start = len(committed) - 1
         drafts = reference.step(pending, [committed[-1]] + [c.mask_token_id] * (c.block_size - 1), start)
-        drafts = drafts.argmax(-1).tolist()
+        drafts = drafts.argmax(-1)
+        drafts = (drafts if drafter.d2t is None else drafter.d2t[drafts]).tolist()
         logits, features = run(committed + drafts)
         choices = logits[start:].argmax(-1).tolist()
         a = 0

@@ -35,7 +35,9 @@ class DrafterSession:
         self.caches = [np.zeros(shape, np.float32) for _ in range(2 * kv["layers"])]
         self._cache_values = [ort.OrtValue.ortvalue_from_numpy(c) for c in self.caches]
         top_k = self.session.get_outputs()[1].shape[-1]
-        self.logits = np.zeros((1, self.block - 1, bundle.vocab_size), np.float32)
+        vocab = self.session.get_outputs()[0].shape[-1]  # the draft vocabulary may be smaller
+        self.logits = np.zeros((1, self.block - 1, vocab if isinstance(vocab, int) else bundle.vocab_size),
+                               np.float32)
         self.top_logprobs = np.zeros((1, self.block - 1, top_k), np.float32)
         self.top_ids = np.zeros((1, self.block - 1, top_k), np.int64)
         self.width = len(bundle.taps) * bundle.hidden_size
@@ -143,3 +145,49 @@ class DFlashDrafter(Drafter):
                     heapq.heappush(frontier, (-value * self.calibration(probs[depth + 1, r]), depth + 1, r, node,
                                               on_main and r == 0))
         return draft
+
+
+class HybridDrafter(Drafter):
+    """One verify over the DFlash candidates and, when the text so far repeats itself, the
+    prompt-lookup continuation as its own branch (merged where the two agree), so copied
+    stretches and new text are both covered."""
+
+    wants_taps = True
+    LOOKUP_MIN_MATCH = 2  # a one-token match continues correctly too rarely to pay its rows
+
+    def __init__(self, policy: Policy, dflash: DFlashDrafter, lookup):
+        super().__init__(policy)
+        self.dflash, self.lookup = dflash, lookup
+        self.copied: list[int] = []  # node indices of the lookup branch
+
+    def begin(self) -> None:
+        self.dflash.begin()
+
+    def add_context(self, rows: np.ndarray) -> None:
+        self.dflash.add_context(rows)
+
+    def propose(self, history: list[int], room: int) -> Draft:
+        draft = self.dflash.propose(history, room)
+        self.main = self.dflash.main
+        copied = self.lookup.propose(history, room - len(draft))
+        if self.lookup.match < self.LOOKUP_MIN_MATCH:
+            return draft
+        children = {(p, t): node for node, (t, p) in enumerate(zip(draft.tokens, draft.parents))}
+        parent, self.copied = -1, []
+        for token in copied.tokens:  # follow the DFlash tree while it agrees, then branch off
+            node = children.get((parent, token))
+            if node is None:
+                node = len(draft.tokens)
+                draft.tokens.append(token)
+                draft.parents.append(parent)
+            self.copied.append(node)
+            parent = node
+        return draft
+
+    def observe(self, draft: Draft, rows: list[int], draft_ms: float, verify_ms: float) -> None:
+        self.dflash.observe(draft, rows, draft_ms, verify_ms)
+        if self.lookup.match >= self.LOOKUP_MIN_MATCH and self.copied:
+            accepted = 0
+            while accepted + 1 < len(rows) and accepted < len(self.copied) and rows[accepted + 1] == self.copied[accepted] + 1:
+                accepted += 1
+            self.lookup.by_match[self.lookup.match].observe(len(self.copied), accepted)

@@ -11,7 +11,7 @@ from typing import Iterator
 import numpy as np
 
 from .bundle import BundleError, load_bundle
-from .dflash import DFlashDrafter, DrafterSession
+from .dflash import DFlashDrafter, DrafterSession, HybridDrafter
 from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .policy import Policy, VerifyCost
 from .sampling import Sampler, SamplingParams
@@ -103,7 +103,7 @@ class Model:
         bundle ("draft-lm", "self-int4", ...) its chain and its tree ("draft-lm-tree")."""
         names = ["lookup"]
         if "drafter" in self.bundle.graphs:
-            names += ["dflash", "dflash-tree"]
+            names += ["dflash", "dflash-tree", "dflash-hybrid"]
         for name in self.bundle.manifest.get("drafters", {}):
             names += [name, f"{name}-tree"]
         return names
@@ -128,7 +128,10 @@ class Model:
                 if self._dflash is None:
                     threads = len(self.draft_cores) if self.draft_cores else self.threads
                     self._dflash = DrafterSession(self.bundle, threads, self.draft_cores)
-                self._drafters[key] = DFlashDrafter(policy, self._dflash, tree=name == "dflash-tree")
+                dflash = DFlashDrafter(policy, self._dflash, tree=name != "dflash")
+                if name == "dflash-hybrid":
+                    dflash = HybridDrafter(policy, dflash, LookupDrafter(policy))
+                self._drafters[key] = dflash
             else:
                 tree = name.endswith("-tree")
                 model = self._draft_model(name.removesuffix("-tree"))

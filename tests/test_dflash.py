@@ -125,10 +125,10 @@ def prompts():
 
 def test_greedy_is_lossless(qwen3_dflash):
     model = Model(qwen3_dflash[0])
-    assert {"dflash", "dflash-tree"} <= set(model.drafters)
+    assert {"dflash", "dflash-tree", "dflash-hybrid"} <= set(model.drafters)
     for ids in prompts():
         plain = model.generate(input_ids=ids, max_new_tokens=60, ignore_eos=True)
-        for drafter in ("dflash", "dflash-tree"):
+        for drafter in ("dflash", "dflash-tree", "dflash-hybrid"):
             for draft_len in (None, 1, 6, BLOCK - 1):
                 spec = model.generate(input_ids=ids, max_new_tokens=60, ignore_eos=True, drafter=drafter,
                                       draft_len=draft_len)
@@ -149,7 +149,7 @@ def test_sampling_is_seed_for_seed_identical(qwen3_dflash):
         options = dict(input_ids=prompts()[2], max_new_tokens=12, temperature=0.8, top_p=0.9, seed=seed,
                        ignore_eos=True)
         plain = model.generate(**options)
-        for drafter in ("dflash", "dflash-tree"):
+        for drafter in ("dflash", "dflash-tree", "dflash-hybrid"):
             assert model.generate(drafter=drafter, draft_len=4, **options).tokens == plain.tokens
 
 
