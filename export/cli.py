@@ -167,11 +167,15 @@ def export_draft_lm(src, target_dir, self_dtype=None, dtype="fp32"):
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
 def drafter(src, target_dir, dtype):
     """Add a DFlash drafter to a target bundle: SRC is a checkpoint folder in z-lab's layout
-    (config.json + safetensors, e.g. z-lab/Qwen3-4B-DFlash-b16) trained for that target."""
+    (config.json + safetensors, e.g. z-lab/Qwen3-4B-DFlash-b16) trained for that target, or
+    'default': the drafter this project trained for the default model."""
     try:
         export_dflash(src, target_dir, dtype)
     except (SourceError, FileExistsError) as e:
         raise click.ClickException(str(e))
+
+
+DEFAULT_DRAFTER = Path(__file__).parent / "default_drafter"  # trained for the default model (issue 6)
 
 
 def export_dflash(src, target_dir, dtype="fp32"):
@@ -190,6 +194,10 @@ def export_dflash(src, target_dir, dtype="fp32"):
     except (OSError, json.JSONDecodeError) as e:
         raise SourceError(f"{target_dir} is not a readable dflash bundle ({e}); export the target first "
                           "with `dflash-export target`")
+    if src == "default":
+        src = DEFAULT_DRAFTER
+        if not (src / "config.json").is_file():
+            raise SourceError(f"the default drafter is missing from {src}; reinstall dflash-ort")
     progress(f"loading the drafter {src} and the target's embedding and lm_head")
     drafter = DFlashDrafter.load(src)
     c = drafter.config

@@ -339,7 +339,10 @@ def save(drafter, config, d2t, out: Path) -> None:
     """The drafter as a z-lab-layout folder: config.json + model.safetensors."""
     from safetensors.torch import save_file
 
-    state = {k: v.detach().contiguous() for k, v in drafter.state_dict().items()}
+    import torch
+
+    # bf16 like the published checkpoints: half the size, and the loader runs it in fp32
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
     if d2t is not None:
         state["d2t"] = d2t.contiguous()
     (out / "config.json").write_text(json.dumps(config.raw, indent=1))

@@ -135,6 +135,7 @@ class ModelDrafter(Drafter):
         valid, limit = self.checked, min(len(self.fed), len(history) - 1)
         while valid < limit and self.fed[valid] == history[valid]:
             valid += 1
+        self.fed = self.fed[:valid]  # before feeding: a failure below leaves only valid rows listed
         logits = self.model.prefill(history[valid:], past=valid)
         self.fed = list(history)
         self.checked = len(history)
@@ -158,9 +159,9 @@ class ModelDrafter(Drafter):
                 if not fixed and not self._worth_drafting(reach[-1], depth, rate):
                     break
                 position = len(self.fed)
-                self.fed.append(chain[-1])
                 start = time.perf_counter()
                 logits = self.model.forward([chain[-1]], [position], one, position)[0]
+                self.fed.append(chain[-1])  # only once its row is written (a failed step leaves none)
                 # The cost per draft token, from single steps only: a catch-up after steps
                 # without drafts feeds many rows at once and would make drafting look dear.
                 ms = (time.perf_counter() - start) * 1e3

@@ -242,6 +242,7 @@ class Generation:
         try:
             yield from self._run()
         except GeneratorExit:  # the consumer stopped early: not an error
+            self.result.finish_reason = self.result.finish_reason or "stop"
             raise
         except BaseException:
             self.result.finish_reason = "error"

@@ -21,7 +21,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from .bundle import Bundle
+from .bundle import Bundle, BundleError
 from .session import make_session, run_pinned
 
 
@@ -39,6 +39,7 @@ class Target:
         self.bundle = bundle
         self.cores = set(cores) if cores else None
         self.session = make_session(bundle.graph_path("target"), bundle, threads, cores)
+        check_graph_matches(self.session, bundle)
         self.min_rows = 2 if exact and bundle.graphs["target"]["dtype"] != "fp32" else 1
         kv = bundle.kv
         self.capacity = bundle.max_len - (self.min_rows - 1)  # the padding row needs a cache row
@@ -135,6 +136,25 @@ class Target:
             if on_chunk is not None:
                 on_chunk(start, s)
         return logits[-1]
+
+
+def check_graph_matches(session, bundle: Bundle) -> None:
+    """The manifest's cache layout, vocabulary and taps must be the graph's, or every
+    buffer the runtime binds would have the wrong shape."""
+    kv, graph = bundle.kv, bundle.graph_path("target")
+    shapes = {i.name: i.shape for i in (*session.get_inputs(), *session.get_outputs())}
+    expected = {"past_key_0": [1, kv["kv_heads"], bundle.max_len, kv["head_dim"]],
+                "logits": [1, None, bundle.vocab_size], "taps": [1, None, len(bundle.taps) * bundle.hidden_size]}
+    layers = sum(name.startswith("past_key_") for name in shapes)
+    problems = [f"{kv['layers']} layers in the manifest, {layers} in the graph"] if layers != kv["layers"] else []
+    for name, want in expected.items():
+        have = shapes.get(name)
+        if have is None or len(have) != len(want) or any(
+                w is not None and isinstance(h, int) and h != w for h, w in zip(have, want)):
+            problems.append(f"{name} is {have} in the graph, {want} by the manifest")
+    if problems:
+        raise BundleError(f"{bundle.folder / 'dflash.json'} contradicts {graph.name}: {'; '.join(problems)}; "
+                          "the manifest was edited or mixed with another export: export the bundle again")
 
 
 def causal_mask(s: int) -> np.ndarray:

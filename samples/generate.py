@@ -50,8 +50,10 @@ def _report(result, stats: bool) -> None:
 @click.option("--target-cores", help="pin the target session to these cores, e.g. 0")
 @click.option("--draft-cores", help="pin the draft model's session to these cores, e.g. 1")
 @click.option("--stats", is_flag=True, help="print prefill, decode and speculation statistics")
+@click.option("--compare", is_flag=True, help="with --prompt and --drafter: also run without the drafter "
+              "and print both speeds (the output is the same)")
 def main(bundle, prompt, raw, system, max_new_tokens, temperature, top_k, top_p, seed, stop, drafter,
-         draft_len, threads, target_cores, draft_cores, stats):
+         draft_len, threads, target_cores, draft_cores, stats, compare):
     """Generate with a dflash bundle on ONNX Runtime."""
     from dflash.runtime import BundleError, Model
     from dflash.runtime.bench import parse_cores
@@ -64,7 +66,15 @@ def main(bundle, prompt, raw, system, max_new_tokens, temperature, top_k, top_p,
         history = [{"role": "system", "content": system}] if system else []
         if prompt is not None:
             messages = None if raw else history + [{"role": "user", "content": prompt}]
-            _report(_stream(model, messages, prompt if raw else None, options), stats)
+            result = _stream(model, messages, prompt if raw else None, options)
+            _report(result, stats)
+            if compare and drafter:
+                plain = model.generate(prompt if raw else None, messages=messages, **{**options, "drafter": None})
+                same = "same tokens" if plain.tokens == result.tokens else "DIFFERENT tokens"
+                click.echo(f"[ar {plain.stats.decode_tokens_per_s:.1f} tok/s vs {drafter} "
+                           f"{result.stats.decode_tokens_per_s:.1f} tok/s: "
+                           f"{result.stats.decode_tokens_per_s / plain.stats.decode_tokens_per_s:.2f}x, {same}]",
+                           err=True)
             return
         click.echo("Chat with the model; an empty line or Ctrl-D ends it.", err=True)
         while True:

@@ -39,3 +39,27 @@ def default_bundle():
     if not (DEFAULT_BUNDLE / "dflash.json").is_file():
         export_target("default", DEFAULT_BUNDLE, overwrite=True)
     return DEFAULT_BUNDLE
+
+
+@pytest.fixture(scope="session")
+def spec_bundle(tiny, tmp_path_factory):
+    """spec_bundle(arch, dtype) -> a tiny target with drafters self-int8 and draft-lm (another
+    random model with the same tokenizer), exported once per session."""
+    import shutil
+
+    from dflash.export.cli import export_draft_lm
+    from tiny_models import save_model_folder
+
+    made = {}
+
+    def get(arch="llama", dtype="fp32"):
+        if (arch, dtype) not in made:
+            folder = tmp_path_factory.mktemp(f"spec_{arch}_{dtype}") / "bundle"
+            shutil.copytree(tiny(arch, dtype=dtype)[0], folder)
+            other = save_model_folder("qwen2", folder.parent / "other_hf", layers=2, seed=1)
+            export_draft_lm(None, folder, "int8")
+            export_draft_lm(str(other), folder)
+            made[arch, dtype] = folder
+        return made[arch, dtype]
+
+    return get

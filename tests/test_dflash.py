@@ -47,6 +47,8 @@ def default_dflash(default_bundle, tmp_path_factory):
                     ignore=shutil.ignore_patterns("self-*", "draft-lm", "drafter*"))
     manifest = json.loads((bundle / "dflash.json").read_text())
     manifest.pop("drafters", None)
+    manifest.pop("dflash", None)
+    manifest["graphs"].pop("drafter", None)
     (bundle / "dflash.json").unlink()  # a new file, not the linked one
     (bundle / "dflash.json").write_text(json.dumps(manifest))
     drafter = save_dflash_folder(base / "drafter", 576, 30, manifest["taps"], 49152, mask_token_id=2,

@@ -16,28 +16,6 @@ from dflash.runtime.speculative import Draft, accept
 from dflash.runtime.target import causal_mask
 
 
-@pytest.fixture(scope="session")
-def spec_bundle(tiny, tmp_path_factory):
-    """spec_bundle(arch, dtype) -> a tiny target with drafters self-int8 and draft-lm (another
-    random model with the same tokenizer), exported once per session."""
-    from dflash.export.cli import export_draft_lm
-    from tiny_models import save_model_folder
-
-    made = {}
-
-    def get(arch="llama", dtype="fp32"):
-        if (arch, dtype) not in made:
-            folder = tmp_path_factory.mktemp(f"spec_{arch}_{dtype}") / "bundle"
-            shutil.copytree(tiny(arch, dtype=dtype)[0], folder)
-            other = save_model_folder("qwen2", folder.parent / "other_hf", layers=2, seed=1)
-            export_draft_lm(None, folder, "int8")
-            export_draft_lm(str(other), folder)
-            made[arch, dtype] = folder
-        return made[arch, dtype]
-
-    return get
-
-
 def test_lookup_draft_follows_the_latest_match():
     assert lookup_draft([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == ([7, 5, 1], 3)
     assert lookup_draft([4, 5, 6], 2) == ([], 0)
