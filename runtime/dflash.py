@@ -21,7 +21,7 @@ from .bundle import Bundle
 from .drafters import Calibration, Drafter
 from .policy import MAX_DRAFT, Policy
 from .session import make_session, run_pinned
-from .speculative import Draft
+from .speculative import Draft, accepted_along
 
 
 class DrafterSession:
@@ -187,7 +187,4 @@ class HybridDrafter(Drafter):
     def observe(self, draft: Draft, rows: list[int], draft_ms: float, verify_ms: float) -> None:
         self.dflash.observe(draft, rows, draft_ms, verify_ms)
         if self.lookup.match >= self.LOOKUP_MIN_MATCH and self.copied:
-            accepted = 0
-            while accepted + 1 < len(rows) and accepted < len(self.copied) and rows[accepted + 1] == self.copied[accepted] + 1:
-                accepted += 1
-            self.lookup.by_match[self.lookup.match].observe(len(self.copied), accepted)
+            self.lookup.by_match[self.lookup.match].observe(len(self.copied), accepted_along(rows, self.copied))

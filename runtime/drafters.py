@@ -13,7 +13,7 @@ import time
 import numpy as np
 
 from .policy import MAX_DRAFT, Acceptance, Policy
-from .speculative import Draft
+from .speculative import Draft, accepted_along
 
 
 class Drafter:
@@ -29,11 +29,8 @@ class Drafter:
 
     def observe(self, draft: Draft, rows: list[int], draft_ms: float, verify_ms: float) -> None:
         self.policy.cost.observe(len(draft) + 1, verify_ms)
-        accepted = 0
-        while accepted < len(self.main) and accepted + 1 < len(rows) and rows[accepted + 1] == self.main[accepted] + 1:
-            accepted += 1
         if self.main:
-            self._acceptance().observe(len(self.main), accepted)
+            self._acceptance().observe(len(self.main), accepted_along(rows, self.main))
 
     def _acceptance(self) -> Acceptance:
         return self.acceptance

@@ -65,6 +65,14 @@ def accept(draft: Draft, logits: np.ndarray, pick) -> tuple[list[int], list[int]
         rows.append(row)
 
 
+def accepted_along(rows: list[int], nodes: list[int]) -> int:
+    """How many of `nodes` (a path from the root, as node indices) the accepted `rows` took."""
+    taken = 0
+    while taken < len(nodes) and taken + 1 < len(rows) and rows[taken + 1] == nodes[taken] + 1:
+        taken += 1
+    return taken
+
+
 def speculative_steps(target, drafter, history: list[int], pick, stats) -> Iterator[list[int]]:
     """After prefill (and `drafter.begin()` before it): `history` is the prompt plus the
     first token, which is not yet cached.  Yields the tokens committed by each verify."""
