@@ -165,12 +165,15 @@ def export_draft_lm(src, target_dir, self_dtype=None, dtype="fp32"):
 @click.option("--target", "target_dir", required=True, type=click.Path(path_type=Path),
               help="the target bundle the drafter is added to")
 @click.option("--dtype", type=click.Choice(DTYPES), default="fp32", show_default=True)
-def drafter(src, target_dir, dtype):
+@click.option("--draft-vocab", type=int, help="score only the N most frequent tokens (a smaller lm_head)")
+@click.option("--vocab-text", multiple=True, type=click.Path(path_type=Path),
+              help="text or prompts .jsonl to count token frequencies in (default: an offline corpus)")
+def drafter(src, target_dir, dtype, draft_vocab, vocab_text):
     """Add a DFlash drafter to a target bundle: SRC is a checkpoint folder in z-lab's layout
     (config.json + safetensors, e.g. z-lab/Qwen3-4B-DFlash-b16) trained for that target, or
     'default': the drafter this project trained for the default model."""
     try:
-        export_dflash(src, target_dir, dtype)
+        export_dflash(src, target_dir, dtype, draft_vocab=draft_vocab, vocab_text=vocab_text)
     except (SourceError, FileExistsError) as e:
         raise click.ClickException(str(e))
 
@@ -178,8 +181,9 @@ def drafter(src, target_dir, dtype):
 DEFAULT_DRAFTER = Path(__file__).parent / "default_drafter"  # trained for the default model (issue 6)
 
 
-def export_dflash(src, target_dir, dtype="fp32"):
-    """Export the drafter graph into the target bundle (drafter.onnx) and list it in the manifest."""
+def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()):
+    """Export the drafter graph into the target bundle (drafter.onnx) and list it in the manifest;
+    with `draft_vocab` N, the drafter scores only the N most frequent tokens of `vocab_text`."""
     import shutil
 
     from . import sources
@@ -188,7 +192,7 @@ def export_dflash(src, target_dir, dtype="fp32"):
     from .quantize import quantize
 
     target_dir = Path(target_dir)
-    progress = Progress(4 if dtype == "fp32" else 5)
+    progress = Progress(4 + (dtype != "fp32") + bool(draft_vocab))
     try:
         manifest = json.loads((target_dir / MANIFEST).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -203,6 +207,12 @@ def export_dflash(src, target_dir, dtype="fp32"):
     c = drafter.config
     target = sources.load(manifest["source"]).model
     check_drafter_fits(c, target.config, manifest, src)
+    if draft_vocab:
+        from .draft_vocab import corpus_texts, frequent_tokens
+
+        progress(f"choosing the {draft_vocab} most frequent tokens for the draft vocabulary")
+        drafter.d2t = frequent_tokens(target_dir / "tokenizer.json", draft_vocab, corpus_texts(vocab_text),
+                                      within=drafter.d2t)
     embed = target.get_input_embeddings().weight.detach().float()
     lm_head = target.lm_head.weight.detach().float().t().contiguous()
     capacity = manifest["max_len"] + c.block_size  # the block's scratch rows follow the context
@@ -233,7 +243,8 @@ def export_dflash(src, target_dir, dtype="fp32"):
     manifest.update(block_size=c.block_size, mask_token_id=c.mask_token_id)
     manifest["dflash"] = {"source": str(Path(src).resolve()), "block_size": c.block_size,
                           "mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids,
-                          "capacity": capacity, "kv": {"layers": c.layers, "kv_heads": c.kv_heads,
+                          "capacity": capacity, "draft_vocab": None if drafter.d2t is None else len(drafter.d2t),
+                          "kv": {"layers": c.layers, "kv_heads": c.kv_heads,
                                                        "heads": c.heads, "head_dim": c.head_dim},
                           "export_check": {"logits": diff}}
     write_manifest(target_dir, manifest)

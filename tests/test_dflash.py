@@ -205,3 +205,37 @@ def test_not_a_dflash_checkpoint_is_refused(tmp_path):
         DFlashDrafter.load(folder)
     with pytest.raises(SourceError, match="no config.json"):
         DFlashDrafter.load(tmp_path)
+
+
+def test_draft_vocab_restricts_the_drafter_and_stays_lossless(qwen3_dflash, tmp_path):
+    """`--draft-vocab N`: the graph scores N tokens (the text's most frequent and the specials),
+    proposes only those, and decoding is still the target's own."""
+    from tokenizers import Tokenizer
+
+    from dflash.export.cli import export_dflash
+    from dflash.export.draft_vocab import frequent_tokens
+    from dflash.export.sources import SourceError
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(qwen3_dflash[0], bundle)
+    text = tmp_path / "text.txt"
+    text.write_text("the cat sat on the mat and the dog sat on the log " * 20)
+    with pytest.raises(SourceError, match="--draft-vocab 100000 must lie in"):
+        export_dflash(qwen3_dflash[2], bundle, draft_vocab=100000, vocab_text=[text])
+    manifest = export_dflash(qwen3_dflash[2], bundle, draft_vocab=40, vocab_text=[text])
+    assert manifest["dflash"]["draft_vocab"] == 40
+    assert manifest["dflash"]["export_check"]["logits"] <= 1e-4
+
+    tokenizer = Tokenizer.from_file(str(bundle / "tokenizer.json"))
+    kept = set(frequent_tokens(bundle / "tokenizer.json", 40, [text.read_text()]).tolist())
+    assert set(tokenizer.encode("the cat sat on the mat").ids) | set(tokenizer.get_added_tokens_decoder()) <= kept
+    model = Model(bundle)
+    session = DrafterSession(model.bundle)
+    assert session.logits.shape[-1] == 40
+    context = np.random.default_rng(0).standard_normal((3, session.width)).astype(np.float32)
+    _, ids = session.run(context, anchor=5, past=0)
+    assert set(ids.ravel().tolist()) <= kept  # proposals are target ids from the kept set
+    for ids in prompts():
+        plain = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True)
+        assert model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True, drafter="dflash-tree").tokens \
+            == plain.tokens
