@@ -6,6 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 BUNDLE := bundles/smollm2
 PROMPT ?= Explain in three sentences why the sky is blue.
+DRAFTER ?= dflash-hybrid
 
 .PHONY: demo test ops bench clean
 
@@ -25,8 +26,15 @@ ops: ops/build/libdflash_ops.so
 $(BUNDLE)/dflash.json: | $(VENV)/.installed
 	$(BIN)/dflash-export target default --out $(BUNDLE) --overwrite
 
-demo: ops $(BUNDLE)/dflash.json
-	$(BIN)/dflash-generate --bundle $(BUNDLE) --prompt "$(PROMPT)" --max-new-tokens 128 --stats
+# The default drafter (trained by this project, shipped in export/default_drafter); order-only,
+# since adding it rewrites dflash.json.
+$(BUNDLE)/drafter.onnx: | $(BUNDLE)/dflash.json
+	$(BIN)/dflash-export drafter default --target $(BUNDLE)
+
+# Speculative decoding with the DFlash drafter, then the same prompt without it: both speeds.
+demo: ops $(BUNDLE)/dflash.json $(BUNDLE)/drafter.onnx
+	$(BIN)/dflash-generate --bundle $(BUNDLE) --prompt "$(PROMPT)" --max-new-tokens 128 \
+		--drafter $(DRAFTER) --compare --stats
 
 test: ops
 	$(BIN)/python -m pytest -q -p no:cacheprovider
