@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh clone:
 #   make demo   - environment, op library, default-model bundle, then a streamed answer and tok/s
-#   make test   - environment, op library, then the whole test suite
+#   make test   - environment, op library (and its sanitizer build), then the whole test suite
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -21,6 +21,10 @@ $(VENV)/.installed: pyproject.toml
 ops/build/libdflash_ops.so: $(VENV)/.installed $(wildcard ops/*.cc ops/*.h ops/*.sh ops/CMakeLists.txt ops/exports.map)
 	bash ops/build.sh
 
+# The AddressSanitizer/UBSan build, used by the op fuzz test (tests/test_ops_fuzz.py).
+ops/build-asan/libdflash_ops.so: ops/build/libdflash_ops.so
+	DFLASH_OPS_SANITIZE=1 bash ops/build.sh
+
 ops: ops/build/libdflash_ops.so
 
 $(BUNDLE)/dflash.json: | $(VENV)/.installed
@@ -36,8 +40,8 @@ demo: ops $(BUNDLE)/dflash.json $(BUNDLE)/drafter.onnx
 	$(BIN)/dflash-generate --bundle $(BUNDLE) --prompt "$(PROMPT)" --max-new-tokens 128 \
 		--drafter $(DRAFTER) --compare --stats
 
-test: ops
-	$(BIN)/python -m pytest -q -p no:cacheprovider
+test: ops ops/build-asan/libdflash_ops.so
+	DFLASH_OPS_ASAN_LIB=$(CURDIR)/ops/build-asan/libdflash_ops.so $(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: ops $(BUNDLE)/dflash.json
 	$(BIN)/dflash-bench generate --bundle $(BUNDLE) --prompts ../shared/eval/prompts.jsonl \

@@ -7,12 +7,28 @@ end, so an interrupted export never leaves a folder that looks like a valid bund
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import shutil
 from pathlib import Path
 
 FORMAT_VERSION = 1
 MANIFEST = "dflash.json"
+
+
+class DiskFullError(OSError):
+    """The disk filled up during an export (the partial files are removed)."""
+
+
+def disk_full(error: BaseException, out: Path) -> DiskFullError | None:
+    """A clear DiskFullError for a write that failed with ENOSPC/EDQUOT, else None."""
+    if not (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)):
+        return None
+    where = next(p for p in (out, *out.parents) if p.exists())
+    free = shutil.disk_usage(where).free / 2**20
+    return DiskFullError(f"the disk is full: no space left on the device while writing {out} "
+                         f"({free:.0f} MiB free now). The partial export was removed and {out} is unchanged; "
+                         "free up disk space or write the bundle to another disk, then export again.")
 
 
 @contextlib.contextmanager
@@ -27,8 +43,11 @@ def staging(out: Path, overwrite: bool):
     tmp.mkdir()
     try:
         yield tmp
-    except BaseException:
+    except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
+        clear = disk_full(e, out)
+        if clear:
+            raise clear from e
         raise
     if out.exists():
         shutil.rmtree(out)

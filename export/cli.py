@@ -9,6 +9,7 @@ from pathlib import Path
 
 import click
 
+from .bundle import DiskFullError
 from .ops import ATTENTION_IMPLEMENTATIONS
 from .quantize import DTYPES
 from .sources import SourceError
@@ -59,7 +60,7 @@ def target(src, out, dtype, max_len, taps, attention, overwrite):
     """Export the target model SRC: a Hugging Face model folder, a .gguf file, or 'default'."""
     try:
         export_target(src, out, dtype, max_len, taps, attention, overwrite)
-    except (SourceError, FileExistsError) as e:
+    except (SourceError, DiskFullError, FileExistsError) as e:
         raise click.ClickException(str(e))
 
 
@@ -128,7 +129,7 @@ def draft_lm(src, target_dir, self_dtype, dtype):
     quantized, as drafter `self-int4` (or `self-int8`)."""
     try:
         export_draft_lm(src, target_dir, self_dtype, dtype)
-    except (SourceError, FileExistsError) as e:
+    except (SourceError, DiskFullError, FileExistsError) as e:
         raise click.ClickException(str(e))
 
 
@@ -174,7 +175,7 @@ def drafter(src, target_dir, dtype, draft_vocab, vocab_text):
     'default': the drafter this project trained for the default model."""
     try:
         export_dflash(src, target_dir, dtype, draft_vocab=draft_vocab, vocab_text=vocab_text)
-    except (SourceError, FileExistsError) as e:
+    except (SourceError, DiskFullError, FileExistsError) as e:
         raise click.ClickException(str(e))
 
 
@@ -187,7 +188,7 @@ def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()
     import shutil
 
     from . import sources
-    from .bundle import MANIFEST, write_manifest
+    from .bundle import MANIFEST, disk_full, write_manifest
     from .dflash import DFlashDrafter, export_onnx
     from .quantize import quantize
 
@@ -235,6 +236,11 @@ def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()
             old.unlink()
         for name in (graph, graph + ".data"):
             (work / name).replace(target_dir / name)
+    except OSError as e:
+        clear = disk_full(e, target_dir)
+        if clear:
+            raise clear from e
+        raise
     finally:
         shutil.rmtree(work, ignore_errors=True)
     progress("writing the manifest")

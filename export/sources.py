@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import json
 from dataclasses import dataclass
@@ -57,7 +58,35 @@ def gguf_architecture(path: Path) -> str:
     field = reader.fields.get("general.architecture")
     if field is None:
         raise SourceError(f"{path} has no general.architecture key; it is not a model GGUF")
-    return bytes(field.parts[field.data[0]]).decode()
+    arch = bytes(field.parts[field.data[0]]).decode()
+    if arch in SUPPORTED:
+        check_gguf_tensor_types(reader, path)
+    return arch
+
+
+@functools.lru_cache(maxsize=None)
+def _dequantizable(qtype) -> bool:
+    """Whether gguf's dequantize (which transformers' GGUF loader calls) reads this tensor type."""
+    import numpy as np
+    from gguf import GGML_QUANT_SIZES, dequantize
+
+    try:
+        dequantize(np.zeros((1, GGML_QUANT_SIZES[qtype][1]), np.uint8), qtype)
+        return True
+    except (NotImplementedError, KeyError):
+        return False
+
+
+def check_gguf_tensor_types(reader, path: Path) -> None:
+    from gguf import GGMLQuantizationType
+
+    for tensor in reader.tensors:
+        if not _dequantizable(tensor.tensor_type):
+            readable = ", ".join(t.name for t in GGMLQuantizationType if _dequantizable(t))
+            raise SourceError(
+                f"{path}: tensor {tensor.name!r} is stored as {tensor.tensor_type.name}, a GGUF tensor type "
+                f"this exporter cannot read; re-quantize the model to one of {readable} (e.g. llama.cpp's "
+                "`llama-quantize ... Q8_0`), or export from its Hugging Face folder")
 
 
 def folder_architecture(path: Path) -> str:
@@ -86,10 +115,18 @@ def load(src: str) -> Source:
         kwargs = dict(pretrained_model_name_or_path=str(path.parent), gguf_file=path.name)
     else:
         arch = _check_architecture(folder_architecture(path), str(path / "config.json"))
+        if not [f for pattern in ("*.safetensors", "pytorch_model*.bin") for f in path.glob(pattern)]:
+            raise SourceError(f"{path} has a config.json but no weights (no *.safetensors or "
+                              "pytorch_model*.bin files): copy or download the model's weight files into it")
         kwargs = dict(pretrained_model_name_or_path=str(path))
     try:
         tokenizer = AutoTokenizer.from_pretrained(**kwargs)
-        model = AutoModelForCausalLM.from_pretrained(**kwargs, dtype="float32")
+        model, info = AutoModelForCausalLM.from_pretrained(**kwargs, dtype="float32", output_loading_info=True)
     except (OSError, ValueError) as e:
         raise SourceError(f"could not load the model from {path}: {e}") from e
+    missing = sorted(info["missing_keys"])
+    if missing:  # transformers would fill them with random values
+        raise SourceError(f"{path} lacks {len(missing)} of the model's weights ({', '.join(missing[:3])}"
+                          f"{', ...' if len(missing) > 3 else ''}): the weight files are incomplete or belong "
+                          "to another model; copy or download the complete weight files")
     return Source(model.eval(), tokenizer, model_id, str(path.resolve()), arch)

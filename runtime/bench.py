@@ -321,6 +321,27 @@ def verify(bundles, threads, repeats, json_out):
         Path(json_out).write_text(json.dumps({"machine": machine(), "threads": threads, "rows": rows}, indent=1))
 
 
+@main.command()
+@click.option("--bundle", "bundles", multiple=True, required=True,
+              help="bundle folder (peers use the first one's source weights); repeat, e.g. for its int4 twin")
+@click.option("--prompts", required=True, type=click.Path(exists=True), help="JSONL prompt file")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--threads", type=int, default=len(os.sched_getaffinity(0)), show_default=True)
+@click.option("--peers", default="ortgenai,llamacpp,hf", show_default=True,
+              help="comma-separated peers to run: ortgenai, llamacpp, hf (a missing one is skipped)")
+@click.option("--peers-dir", default="peers", show_default=True, type=click.Path(),
+              help="where peer models are built and cached")
+@click.option("--json", "json_out", type=click.Path(), help="write the report here")
+@click.option("--plot", "plot_out", type=click.Path(), help="write a PNG bar chart here")
+def compare(bundles, prompts, max_new_tokens, threads, peers, peers_dir, json_out, plot_out):
+    """This runtime vs onnxruntime-genai, llama.cpp and transformers: same weights, prompts, threads,
+    greedy (peers: pip install -e '.[compare]')."""
+    from .compare import compare as run
+
+    run(bundles, load_prompts(prompts), prompts, max_new_tokens, threads,
+        [p for p in peers.split(",") if p], peers_dir, json_out, plot_out)
+
+
 def _print_table(report: dict) -> None:
     kinds = sorted({k for v in report["speedup_by_kind"].values() for k in v} - {"all"})
     click.echo(f"{'mode':22s} {'tok/s':>7s} {'speedup':>8s} {'tok/step':>8s} {'draft ms':>8s} "
@@ -331,6 +352,29 @@ def _print_table(report: dict) -> None:
                    f"{m['mean_accept_len']:8.2f} {m.get('draft_ms_per_step', 0):8.1f} "
                    f"{m.get('verify_ms_per_step', 0):9.1f} {str(report['lossless'][name]):>10s}  "
                    + " ".join(f"{by_kind.get(k, float('nan')):.2f}x" for k in kinds))
+
+
+@main.command()
+@click.option("--bundle", required=True, type=click.Path(exists=True), help="bundle folder")
+@click.option("--n", default=200, show_default=True, help="generations after the warm-up")
+@click.option("--modes", help="comma-separated modes (default: ar and every drafter of the bundle)")
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--threads", type=int, help="intra-op threads (default: every usable core)")
+@click.option("--max-growth", default=5.0, show_default=True, help="allowed peak RSS growth after warm-up, %")
+@click.option("--full/--no-full", default=True, show_default=True,
+              help="check generation to a full cache, every mode against ar")
+@click.option("--json", "json_out", type=click.Path(), help="write the report here")
+def soak(bundle, n, modes, max_new_tokens, threads, max_growth, full, json_out):
+    """Long run: N generations cycling through every mode and built-in prompts, greedy and sampled;
+    fails if peak RSS grows more than --max-growth % after warm-up, or any mode differs from ar."""
+    from .soak import soak as run, summary
+
+    report = run(bundle, n, modes.split(",") if modes else None, max_new_tokens, threads, max_growth, full)
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=1))
+    click.echo(summary(report))
+    if not report["passed"]:
+        sys.exit(1)
 
 
 if __name__ == "__main__":

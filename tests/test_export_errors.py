@@ -84,3 +84,86 @@ def test_bad_taps(tmp_path):
     hf = save_model_folder("llama", tmp_path / "hf")
     result = run_cli("target", str(hf), "--out", str(tmp_path / "b"), "--taps", "1,9")
     assert result.exit_code != 0 and "layer ids must lie in 0..3" in result.output
+
+
+# ------------------------------------------------------------------------------------------------
+# faults: unreadable weights, missing weights, a disk that fills up
+
+
+def test_gguf_with_unsupported_tensor_type(tmp_path):
+    import gguf
+    import numpy as np
+
+    path = tmp_path / "model.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), np.float32))
+    # Q8_K (llama.cpp's intermediate type) has no dequantizer: 4 rows of one 292-byte block each
+    writer.add_tensor("blk.0.attn_q.weight", np.zeros((4, 292), np.uint8), raw_dtype=gguf.GGMLQuantizationType.Q8_K)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    result = run_cli("target", str(path), "--out", str(tmp_path / "b"))
+    assert result.exit_code != 0
+    assert "tensor 'blk.0.attn_q.weight' is stored as Q8_K" in result.output
+    assert "Q8_0" in result.output and "llama-quantize" in result.output  # the fix
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("fault", ["no weight files", "a tensor missing"])
+def test_folder_with_missing_weights(tmp_path, fault):
+    from safetensors.torch import load_file, save_file
+    from tiny_models import save_model_folder
+
+    hf = save_model_folder("llama", tmp_path / "hf")
+    weights = hf / "model.safetensors"
+    if fault == "no weight files":
+        weights.unlink()
+        message = "has a config.json but no weights"
+    else:  # transformers would silently fill the missing tensor with random values
+        state = load_file(str(weights))
+        del state["model.layers.2.mlp.up_proj.weight"]
+        save_file(state, str(weights), metadata={"format": "pt"})
+        message = "lacks 1 of the model's weights (model.layers.2.mlp.up_proj.weight)"
+    result = run_cli("target", str(hf), "--out", str(tmp_path / "b"), "--max-len", "64")
+    assert result.exit_code != 0 and message in result.output, result.output
+    assert "weight files" in result.output  # the fix
+    assert not (tmp_path / "b").exists()
+
+
+def bundles_in(folder):
+    return sorted(str(p.parent.relative_to(folder)) for p in folder.rglob("dflash.json"))
+
+
+@pytest.mark.parametrize("when", ["writing the graph", "writing the manifest"])
+def test_disk_full_mid_export(tmp_path, monkeypatch, when):
+    """The disk fills up part way: one clear message naming the disk and the folder; no
+    partial folder left, and an existing bundle being overwritten is left as it was."""
+    import errno
+
+    from tiny_models import save_model_folder
+
+    from dflash.export import bundle, target
+
+    hf = save_model_folder("llama", tmp_path / "hf")
+    out = tmp_path / "bundle"
+    out.mkdir()
+    (out / "dflash.json").write_text('{"old": true}')  # the bundle --overwrite would replace
+
+    def no_space(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    if when == "writing the graph":
+        def partial_graph(model, taps, max_len, attention, path):
+            path.write_bytes(b"onnx")
+            path.with_name(path.name + ".data").write_bytes(b"\0" * 100_000)
+            no_space()
+        monkeypatch.setattr(target, "export_onnx", partial_graph)
+    else:  # graph and tokenizer written, then the manifest fails
+        monkeypatch.setattr(bundle, "write_manifest", no_space)
+    result = run_cli("target", str(hf), "--out", str(out), "--max-len", "64", "--overwrite")
+    assert result.exit_code != 0
+    assert "the disk is full: no space left on the device" in result.output, result.output
+    assert str(out.resolve()) in result.output and "free up disk space" in result.output
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bundle", "hf"]  # no .bundle.partial
+    assert bundles_in(tmp_path) == ["bundle"] and (out / "dflash.json").read_text() == '{"old": true}'
