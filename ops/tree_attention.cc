@@ -138,42 +138,40 @@ struct Plan {
 };
 
 // Work decomposition. Query vectors of one kv head are grouped up to ~64 per item (the K/V rows
-// are streamed once per group); if that leaves too few items to keep the pool busy, the key range
-// is split into chunks (cheap: only a small merge), then the query rows into more groups.
+// are streamed once per group); the key range is cut into chunks of a fixed kChunk rows, each an
+// item of its own, merged afterwards; if that still leaves too few items to keep the pool busy,
+// the query rows are split into more groups.
+// The chunk boundaries depend on nothing but the key positions, and a query vector's arithmetic
+// on nothing but its own lane, so a row's output is bit for bit the same whatever the number of
+// rows verified with it and the thread count: speculative decoding relies on that to be lossless.
 // Group sizes are kept to whole SIMD widths of vectors where possible (rows * G a multiple of 16),
 // since the kernels work on 16 lanes at a time and padding lanes are wasted work.
 void make_plan(Plan& p) {
   constexpr int64_t kVecTarget = 64;   // query vectors per item
   constexpr int64_t kItemTarget = 16;  // enough items to balance a few threads
-  constexpr int64_t kMinChunk = 128;   // key rows per chunk when splitting
+  constexpr int64_t kChunk = 4 * kKeyBlock;  // key rows per chunk
   const int64_t S = p.S, G = p.G;
   const int64_t lane_rows = 16 / std::gcd<int64_t>(16, G);  // rows whose G heads fill whole vectors
   auto align_rows = [&](int64_t r) {  // round r up to whole vectors, at most S
     return std::min(S, std::max<int64_t>(1, round_up(r, lane_rows)));
   };
+  const int64_t nc = std::max<int64_t>(1, ceil_div(p.T, kChunk));
   int64_t rows = std::max<int64_t>(1, kVecTarget / G);
   if (rows >= lane_rows) rows = rows / lane_rows * lane_rows;
   rows = std::min(S, rows);
   int64_t nq = ceil_div(S, rows);
-  int64_t nc = 1;
-  if (p.Hkv * nq < kItemTarget) {
-    const int64_t want = ceil_div(kItemTarget, p.Hkv * nq);
-    nc = std::max<int64_t>(1, std::min(want, p.T / kMinChunk));
-  }
   if (p.Hkv * nq * nc < kItemTarget) {
-    // Short key range: split the query rows further, down to one SIMD width of vectors per item.
+    // Few items: split the query rows further, down to one SIMD width of vectors per item.
     const int64_t want_nq = ceil_div(kItemTarget, p.Hkv * nc);
     rows = std::min(rows, align_rows(ceil_div(S, want_nq)));
   }
   nq = ceil_div(S, rows);
   rows = align_rows(ceil_div(S, nq));  // even out the groups
   nq = ceil_div(S, rows);
-  const int64_t chunk = p.T > 0 ? round_up(ceil_div(p.T, nc), kKeyBlock) : kKeyBlock;
-  nc = p.T > 0 ? ceil_div(p.T, chunk) : 1;
   p.rows_per_group = rows;
   p.n_qgroups = nq;
   p.n_chunks = nc;
-  p.chunk_len = chunk;
+  p.chunk_len = kChunk;
   p.vmax = rows * G;
 }
 

@@ -100,7 +100,10 @@ class Model:
     @property
     def drafters(self) -> list[str]:
         """The drafters this bundle supports: "lookup", and for each draft model in the
-        bundle ("draft-lm", "self-int4", ...) its chain and its tree ("draft-lm-tree")."""
+        bundle ("draft-lm", "self-int4", ...) its chain and its tree ("draft-lm-tree").
+        None on a bundle exported with `--attention gqa|onnx` (see `lossless_attention`)."""
+        if not self.lossless_attention:
+            return []
         names = ["lookup"]
         if "drafter" in self.bundle.graphs:
             names += ["dflash", "dflash-tree", "dflash-hybrid"]
@@ -108,9 +111,22 @@ class Model:
             names += [name, f"{name}-tree"]
         return names
 
+    @property
+    def lossless_attention(self) -> bool:
+        """Whether the target's attention computes a row bit for bit alike however many rows are
+        verified with it. TreeAttention does (tested); ORT's GroupQueryAttention and ONNX Attention
+        sum a row's softmax in an order that depends on the batch, so a verify could pick another
+        token than plain decoding at a near tie."""
+        return self.bundle.manifest.get("attention", "custom") == "custom"
+
     def drafter(self, name: str, draft_len: int | None = None) -> Drafter:
         """The drafter `name`, made on first use and kept (with its acceptance statistics).
         `draft_len` None adapts the draft to the measured costs; a number fixes the chain length."""
+        if not self.lossless_attention:
+            raise ValueError(f"speculative decoding needs the TreeAttention op, and {self.bundle.folder} was "
+                             f"exported with --attention {self.bundle.manifest['attention']}, whose rows round "
+                             "differently in a verify than in plain decoding (the output could change); "
+                             "re-export it with `dflash-export target SRC --attention custom`")
         if name not in self.drafters:
             raise ValueError(f"this bundle has no drafter {name!r} (it has: {', '.join(self.drafters)}); "
                              "add a draft model with `dflash-export draft-lm SRC --target "

@@ -398,3 +398,24 @@ def test_bench_attention_runs(lib):
     for impl in ("custom", "gqa", "onnx"):
         t = bench_attention(impl, S=4, past=32, threads=1, heads=4, kv_heads=2, head_dim=16, capacity=64, repeats=3)
         assert t > 0
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (32, 8, 128)])
+@pytest.mark.parametrize("past", [200, 240, 300, 700, 1500])
+def test_a_row_is_bit_identical_whatever_the_batch(lib, H, Hkv, D, past):
+    """Losslessness rests on this: a query row's output must not depend on how many rows are
+    verified with it (1 in plain decoding, up to a tree's worth in a verify), nor on the threads."""
+    rng = np.random.default_rng(past)
+    C = 2048
+    base = random_case(rng, 25, 25, past, C, H, Hkv, D, causal_mask(25))
+    outputs = {}
+    for threads in (1, 2):
+        sess = session(op_model(H, Hkv, D), threads)
+        for S in (1, 2, 5, 8, 16, 25):
+            feeds = {k: v.copy() for k, v in base.items()}
+            feeds.update(query=base["query"][:, :S], key=base["key"][:, :S], value=base["value"][:, :S],
+                         mask=causal_mask(S))
+            outputs[threads, S] = sess.run(["output"], feeds)[0][0]
+    reference = outputs[1, 25]
+    for (threads, S), out in outputs.items():
+        assert np.array_equal(out, reference[:S]), (threads, S)

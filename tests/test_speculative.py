@@ -232,3 +232,10 @@ def test_draft_model_with_another_tokenizer_is_refused(spec_bundle, tmp_path):
     shutil.copy(other / "tokenizer.json", bundle / "draft-lm" / "tokenizer.json")
     with pytest.raises(BundleError, match="another tokenizer than the target"):
         Model(bundle).generate("the", max_new_tokens=4, drafter="draft-lm")
+
+
+def test_speculation_is_refused_on_attention_that_is_not_batch_invariant(tiny):
+    model = Model(tiny("llama", attention="gqa")[0])
+    assert model.drafters == []
+    with pytest.raises(ValueError, match="re-export it with `dflash-export target SRC --attention custom`"):
+        model.generate(input_ids=[5, 6, 7], max_new_tokens=4, drafter="lookup")
