@@ -12,6 +12,10 @@ instead of dozens (node dispatch, not arithmetic, dominates a one-token step):
   ``[1,S,H*D]``, key/value ``[1,S,Hkv*D]`` with rotary applied; caches ``[1,Hkv,C,D]``;
   ``past_len`` int64 scalar; ``mask [S,S]`` bool over the new rows.  Outputs: attention
   ``[1,S,H*D]`` and the caches with new rows written at ``past_len..past_len+S-1``;
+- ``dflash::packed_attention`` (projection output [q|k|v], rotary inside) ->
+  ``ai.dflash.PackedTreeAttention``: one node for Split + 2 RotaryEmbedding + attention,
+  used with ``custom`` for models without q/k norms;
+- ``dflash::silu_mul`` (SwiGLU of a fused [gate|up] projection) -> ``ai.dflash.SiluMul``, with ``custom``;
 - or ONNX ``Attention`` (opset 23, ``onnx``): the baseline.  Its present K/V is a new tensor of
   past+S rows, so the graph copies the whole cache every step to keep the same contract.
 """
@@ -99,6 +103,36 @@ def _(query, key, value, key_cache, value_cache, past_len, mask, scale, num_head
     return torch.empty_like(query), torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
+@torch.library.custom_op("dflash::packed_attention", mutates_args=())
+def packed_attention(qkv: torch.Tensor, key_cache: torch.Tensor, value_cache: torch.Tensor, past_len: torch.Tensor,
+                     mask: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                     scale: float, num_heads: int, kv_num_heads: int
+                     ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """cached_attention of the packed projection output [q | k | v], rotary applied here."""
+    d = key_cache.shape[-1]
+    q, k, v = qkv.split([num_heads * d, kv_num_heads * d, kv_num_heads * d], dim=-1)
+    q, k = rotary(q, position_ids, cos, sin, num_heads), rotary(k, position_ids, cos, sin, kv_num_heads)
+    return cached_attention(q, k, v, key_cache, value_cache, past_len, mask, scale, num_heads, kv_num_heads)
+
+
+@packed_attention.register_fake
+def _(qkv, key_cache, value_cache, past_len, mask, position_ids, cos, sin, scale, num_heads, kv_num_heads):
+    out = qkv.new_empty(qkv.shape[0], qkv.shape[1], num_heads * key_cache.shape[-1])
+    return out, torch.empty_like(key_cache), torch.empty_like(value_cache)
+
+
+@torch.library.custom_op("dflash::silu_mul", mutates_args=())
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """[gate | up] -> silu(gate) * up"""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@silu_mul.register_fake
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
+
+
 # ---- ONNX side -------------------------------------------------------------
 
 _F = OpSchema.FormalParameter
@@ -141,6 +175,14 @@ _schema("TreeAttention", DFLASH_DOMAIN,
         [_F("output", "T"), _F("present_key", "T"), _F("present_value", "T")],
         [("T", ["tensor(float)"], ""), ("I", ["tensor(int64)"], ""), ("B", ["tensor(bool)"], "")],
         _ATTENTION_ATTRS)
+
+_schema("PackedTreeAttention", DFLASH_DOMAIN,
+        [_F("qkv", "T"), _F("key_cache", "T"), _F("value_cache", "T"), _F("past_len", "I"), _F("mask", "B"),
+         _F("position_ids", "I"), _F("cos_cache", "T"), _F("sin_cache", "T")],
+        [_F("output", "T"), _F("present_key", "T"), _F("present_value", "T")],
+        [("T", ["tensor(float)"], ""), ("I", ["tensor(int64)"], ""), ("B", ["tensor(bool)"], "")],
+        _ATTENTION_ATTRS)
+_schema("SiluMul", DFLASH_DOMAIN, [_F("x", "T")], [_F("y", "T")], [("T", ["tensor(float)"], "")], [])
 
 _onnx = Opset("", 1)  # SimplifiedLayerNormalization is an ORT op in the default domain
 _ms = Opset(MS_DOMAIN, 1)
@@ -204,6 +246,16 @@ def _tree_attention(query, key, value, key_cache, value_cache, past_len, mask,
                                  num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale)
 
 
+def _packed_tree_attention(qkv, key_cache, value_cache, past_len, mask, position_ids, cos, sin,
+                           scale: float, num_heads: int, kv_num_heads: int):
+    return _dflash.PackedTreeAttention(qkv, key_cache, value_cache, past_len, mask, position_ids, cos, sin,
+                                       num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale)
+
+
+def _silu_mul(x):
+    return _dflash.SiluMul(x)
+
+
 def translation_table(attention: str) -> dict:
     """The `custom_translation_table` for torch.onnx.export."""
     if attention not in ATTENTION_IMPLEMENTATIONS:
@@ -215,4 +267,7 @@ def translation_table(attention: str) -> dict:
         torch.ops.dflash.rotary.default: _rotary,
         torch.ops.dflash.cached_attention.default: {
             "gqa": _gqa, "custom": _tree_attention, "onnx": _onnx_attention}[attention],
+        # only emitted with `custom` (see target.DecoderLayer)
+        torch.ops.dflash.packed_attention.default: _packed_tree_attention,
+        torch.ops.dflash.silu_mul.default: _silu_mul,
     }

@@ -42,7 +42,7 @@ class DecoderLayer(torch.nn.Module):
     """A Llama-family decoder layer (Llama, Qwen2, Qwen3) over the cached-attention op,
     built from the Hugging Face layer's own weights."""
 
-    def __init__(self, layer, config):
+    def __init__(self, layer, config, fused_ops: bool = False):
         super().__init__()
         attn, mlp = layer.self_attn, layer.mlp
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -57,6 +57,9 @@ class DecoderLayer(torch.nn.Module):
         self.act = mlp.act_fn
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.split = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
+        # This project's fused ops (PackedTreeAttention, SiluMul): 2 nodes a layer instead of 7.
+        # Not for q/k-normed models (Qwen3): the norms sit between the projection and the rotary.
+        self.fused = fused_ops and self.q_norm is None and self.k_norm is None
 
     def _head_norm(self, norm, x, heads):
         if norm is None:
@@ -67,15 +70,24 @@ class DecoderLayer(torch.nn.Module):
     def forward(self, x, hidden, position_ids, cos, sin, io, i, next_norm):
         """x = input_norm(hidden) -> (next_norm(new hidden), new hidden): each residual add is
         fused with the norm that follows it."""
-        q, k, v = self.qkv(x).split(self.split, dim=-1)
-        q = ops.rotary(self._head_norm(self.q_norm, q, self.heads), position_ids, cos, sin, self.heads)
-        k = ops.rotary(self._head_norm(self.k_norm, k, self.kv_heads), position_ids, cos, sin, self.kv_heads)
-        attn, io.key_out[i], io.value_out[i] = ops.cached_attention(
-            q, k, v, io.key_caches[i], io.value_caches[i], io.past_len, io.mask,
-            self.scale, self.heads, self.kv_heads)
+        if self.fused:
+            attn, io.key_out[i], io.value_out[i] = ops.packed_attention(
+                self.qkv(x), io.key_caches[i], io.value_caches[i], io.past_len, io.mask, position_ids, cos, sin,
+                self.scale, self.heads, self.kv_heads)
+        else:
+            q, k, v = self.qkv(x).split(self.split, dim=-1)
+            q = ops.rotary(self._head_norm(self.q_norm, q, self.heads), position_ids, cos, sin, self.heads)
+            k = ops.rotary(self._head_norm(self.k_norm, k, self.kv_heads), position_ids, cos, sin, self.kv_heads)
+            attn, io.key_out[i], io.value_out[i] = ops.cached_attention(
+                q, k, v, io.key_caches[i], io.value_caches[i], io.past_len, io.mask,
+                self.scale, self.heads, self.kv_heads)
         x, hidden = ops.add_rms_norm(self.o_proj(attn), hidden, self.post_norm.weight, self.eps)
-        gate, up = self.gate_up(x).chunk(2, dim=-1)
-        return ops.add_rms_norm(self.down(self.act(gate) * up), hidden, next_norm.weight, self.eps)
+        if self.fused:
+            gated = ops.silu_mul(self.gate_up(x))
+        else:
+            gate, up = self.gate_up(x).chunk(2, dim=-1)
+            gated = self.act(gate) * up
+        return ops.add_rms_norm(self.down(gated), hidden, next_norm.weight, self.eps)
 
 
 class CacheIO:
@@ -98,7 +110,7 @@ def rotary_tables(model, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class TargetGraph(torch.nn.Module):
-    def __init__(self, model, taps: list[int], max_len: int):
+    def __init__(self, model, taps: list[int], max_len: int, fused_ops: bool = False):
         super().__init__()
         config = model.config
         if config.hidden_act not in ("silu", "swish"):
@@ -110,7 +122,7 @@ class TargetGraph(torch.nn.Module):
         # quantizer can rewrite even when the model ties lm_head to the embedding.
         self.lm_head = torch.nn.Parameter(model.lm_head.weight.detach().t().contiguous(), requires_grad=False)
         self.lm_head_bias = getattr(model.lm_head, "bias", None)
-        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config) for layer in model.model.layers)
+        self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, fused_ops) for layer in model.model.layers)
         self.eps = float(config.rms_norm_eps)
         self.taps = list(taps)
         cos, sin = rotary_tables(model, max_len)
@@ -160,7 +172,7 @@ def example_inputs(config, max_len: int, s: int = 3, past: int = 2, seed: int = 
 
 def export_onnx(model, taps: list[int], max_len: int, attention: str, path) -> None:
     """torch.onnx.export(dynamo=True) of the target graph into `path` (+ external data)."""
-    graph = TargetGraph(model, taps, max_len).eval()
+    graph = TargetGraph(model, taps, max_len, fused_ops=attention == "custom").eval()
     n = model.config.num_hidden_layers
     past, present = cache_names(n)
     s = torch.export.Dim("S", min=1, max=max_len)

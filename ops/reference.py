@@ -68,6 +68,34 @@ def tree_attention(q, k, v, k_cache, v_cache, past_len, mask, scale, num_heads, 
     return out.reshape(1, S, H * D).astype(np.float32), present_k, present_v
 
 
+def rotate_half(x, cos, sin):
+    """Rotary, rotate-half layout: x [..., D] with cos/sin [..., D/2] broadcast over heads."""
+    half = x.shape[-1] // 2
+    a, b = x[..., :half], x[..., half:]
+    return np.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(np.float32)
+
+
+def packed_tree_attention(qkv, k_cache, v_cache, past_len, mask, position_ids, cos, sin, scale, num_heads,
+                          kv_num_heads):
+    """PackedTreeAttention: qkv [1,S,(H+2Hkv)*D] split into q, k, v; rotary on q and k at
+    position_ids (tables cos/sin [P, D/2]); then tree_attention."""
+    H, Hkv = int(num_heads), int(kv_num_heads)
+    _, S, W = qkv.shape
+    D = W // (H + 2 * Hkv)
+    pos = np.asarray(position_ids).reshape(S)
+    c, s = cos[pos][:, None, :], sin[pos][:, None, :]  # [S, 1, D/2]
+    q = rotate_half(qkv[0, :, :H * D].reshape(S, H, D), c, s).reshape(1, S, H * D)
+    k = rotate_half(qkv[0, :, H * D:(H + Hkv) * D].reshape(S, Hkv, D), c, s).reshape(1, S, Hkv * D)
+    v = qkv[:, :, (H + Hkv) * D:]
+    return tree_attention(q, k, v, k_cache, v_cache, past_len, mask, scale, H, Hkv)
+
+
+def silu_mul(x):
+    """SiluMul: x [..., 2F] = [gate | up] -> silu(gate) * up."""
+    gate, up = np.split(np.asarray(x, dtype=np.float32), 2, axis=-1)
+    return (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
+
+
 def causal_mask(S: int) -> np.ndarray:
     """Row i sees new rows 0..i."""
     return np.tril(np.ones((S, S), dtype=bool))

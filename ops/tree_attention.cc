@@ -337,6 +337,85 @@ void copy_cache(OrtKernelContext* ctx, const float* src, float* dst, int64_t hea
   Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(ctx, thunk, static_cast<size_t>(heads), 0, &job));
 }
 
+// Attention of S query rows (q [S, H*D], unscaled) over cache rows < past plus the new rows
+// past..past+Skv-1 already written into pk / pv, under mask [S, Skv]; into out [S, H*D].
+void attend(OrtKernelContext* context, const Kernels* kern, const float* q, const uint8_t* mask, const float* pk,
+            const float* pv, float* out, int64_t S, int64_t Skv, int64_t H, int64_t Hkv, int64_t D, int64_t C,
+            int64_t past, float scale) {
+  Plan plan{};
+  plan.q = q;
+  plan.mask = mask;
+  plan.kc = pk;
+  plan.vc = pv;
+  plan.out = out;
+  plan.S = S;
+  plan.Skv = Skv;
+  plan.H = H;
+  plan.Hkv = Hkv;
+  plan.G = H / Hkv;
+  plan.D = D;
+  plan.C = C;
+  plan.past = past;
+  plan.T = past + Skv;
+  plan.qscale = scale * 1.4426950408889634f;  // log2(e): the softmax works in base 2
+  plan.kern = kern;
+  make_plan(plan);
+
+  const int64_t n_groups = Hkv * plan.n_qgroups;
+  if (plan.n_chunks > 1) {
+    // Partial results live in the calling thread's scratch; pool threads only write into it.
+    static thread_local Scratch partial;
+    plan.partial = partial.get(static_cast<size_t>(n_groups * plan.n_chunks * plan.vmax * (2 + D)));
+  }
+  parallel_for(context, plan, run_item, n_groups * plan.n_chunks);
+  if (plan.n_chunks > 1) parallel_for(context, plan, merge_item, n_groups);
+}
+
+// Both attention ops: attributes num_heads, kv_num_heads (H a multiple of it), optional scale.
+template <typename Kernel>
+OrtStatusPtr create_attention_kernel(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel,
+                                     const char* name) {
+  try {
+    Ort::ConstKernelInfo ki(info);
+    auto kernel = std::make_unique<Kernel>();
+    kernel->num_heads = ki.GetAttribute<int64_t>("num_heads");
+    kernel->kv_num_heads = ki.GetAttribute<int64_t>("kv_num_heads");
+    float sc = 0.0f;
+    if (OrtStatus* st = api.KernelInfoGetAttribute_float(info, "scale", &sc)) {
+      api.ReleaseStatus(st);  // no scale attribute: use 1/sqrt(head_dim)
+    } else {
+      kernel->scale = sc;
+      kernel->has_scale = true;
+    }
+    if (kernel->num_heads <= 0 || kernel->kv_num_heads <= 0 || kernel->num_heads % kernel->kv_num_heads != 0) {
+      std::ostringstream os;
+      os << name << ": num_heads " << kernel->num_heads << " must be a positive multiple of kv_num_heads "
+         << kernel->kv_num_heads;
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, os.str().c_str());
+    }
+    kernel->kern = &select_kernels();
+    *op_kernel = kernel.release();
+    return nullptr;
+  } catch (const std::exception& e) {
+    return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string(name) + ": " + e.what()).c_str());
+  }
+}
+
+// Errors of Compute -> ORT statuses (an input problem -> INVALID_ARGUMENT).
+template <typename F>
+OrtStatusPtr guarded(const char* name, F&& compute) {
+  try {
+    compute();
+    return nullptr;
+  } catch (const OpError& e) {
+    return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+  } catch (const Ort::Exception& e) {
+    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), (std::string(name) + ": " + e.what()).c_str());
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string(name) + ": " + e.what()).c_str());
+  }
+}
+
 struct TreeAttentionKernel {
   int64_t num_heads = 0;
   int64_t kv_num_heads = 0;
@@ -345,16 +424,7 @@ struct TreeAttentionKernel {
   const Kernels* kern = nullptr;
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
-    try {
-      Compute(context);
-      return nullptr;
-    } catch (const OpError& e) {
-      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-    } catch (const Ort::Exception& e) {
-      return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), (std::string("TreeAttention: ") + e.what()).c_str());
-    } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string("TreeAttention: ") + e.what()).c_str());
-    }
+    return guarded(kOpName, [&] { Compute(context); });
   }
 
   void Compute(OrtKernelContext* context) {
@@ -432,34 +502,9 @@ struct TreeAttentionKernel {
       }
     if (S == 0) return;
 
-    Plan plan{};
-    plan.q = query.GetTensorData<float>();
-    plan.mask = reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>());
-    plan.kc = pk;
-    plan.vc = pv;
-    plan.out = out;
-    plan.S = S;
-    plan.Skv = Skv;
-    plan.H = H;
-    plan.Hkv = Hkv;
-    plan.G = H / Hkv;
-    plan.D = D;
-    plan.C = C;
-    plan.past = past;
-    plan.T = past + Skv;
-    const float sc = has_scale ? scale : 1.0f / std::sqrt(static_cast<float>(D));
-    plan.qscale = sc * 1.4426950408889634f;  // log2(e)
-    plan.kern = kern;
-    make_plan(plan);
-
-    const int64_t n_groups = Hkv * plan.n_qgroups;
-    if (plan.n_chunks > 1) {
-      // Partial results live in the calling thread's scratch; pool threads only write into it.
-      static thread_local Scratch partial;
-      plan.partial = partial.get(static_cast<size_t>(n_groups * plan.n_chunks * plan.vmax * (2 + D)));
-    }
-    parallel_for(context, plan, run_item, n_groups * plan.n_chunks);
-    if (plan.n_chunks > 1) parallel_for(context, plan, merge_item, n_groups);
+    attend(context, kern, query.GetTensorData<float>(),
+           reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, out, S, Skv, H, Hkv, D, C,
+           past, has_scale ? scale : 1.0f / std::sqrt(static_cast<float>(D)));
   }
 };
 
@@ -470,30 +515,7 @@ struct TreeAttentionOp : Ort::CustomOpBase<TreeAttentionOp, TreeAttentionKernel,
   }
 
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
-    try {
-      Ort::ConstKernelInfo ki(info);
-      auto kernel = std::make_unique<TreeAttentionKernel>();
-      kernel->num_heads = ki.GetAttribute<int64_t>("num_heads");
-      kernel->kv_num_heads = ki.GetAttribute<int64_t>("kv_num_heads");
-      float sc = 0.0f;
-      if (OrtStatus* st = api.KernelInfoGetAttribute_float(info, "scale", &sc)) {
-        api.ReleaseStatus(st);  // no scale attribute: use 1/sqrt(head_dim)
-      } else {
-        kernel->scale = sc;
-        kernel->has_scale = true;
-      }
-      if (kernel->num_heads <= 0 || kernel->kv_num_heads <= 0 || kernel->num_heads % kernel->kv_num_heads != 0) {
-        std::ostringstream os;
-        os << "TreeAttention: num_heads " << kernel->num_heads << " must be a positive multiple of kv_num_heads "
-           << kernel->kv_num_heads;
-        return api.CreateStatus(ORT_INVALID_ARGUMENT, os.str().c_str());
-      }
-      kernel->kern = &select_kernels();
-      *op_kernel = kernel.release();
-      return nullptr;
-    } catch (const std::exception& e) {
-      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string("TreeAttention: ") + e.what()).c_str());
-    }
+    return create_attention_kernel<TreeAttentionKernel>(api, info, op_kernel, kOpName);
   }
 
   const char* GetName() const { return kOpName; }
@@ -519,6 +541,182 @@ struct TreeAttentionOp : Ort::CustomOpBase<TreeAttentionOp, TreeAttentionKernel,
   }
 };
 
+// ---- PackedTreeAttention: the projection's packed output in, rotary applied in the op ----------
+//
+// Inputs
+//   0 qkv          float [1, S, (H + 2*Hkv)*D]   q heads, then k heads, then v heads (no rotary yet)
+//   1 key_cache    float [1, Hkv, C, D]
+//   2 value_cache  float [1, Hkv, C, D]
+//   3 past_len     int64 scalar
+//   4 mask         bool  [S, S]
+//   5 position_ids int64 [1, S]                  rotary position of each new row
+//   6 cos_cache    float [P, D/2]                cos/sin tables of the model's rotary embedding
+//   7 sin_cache    float [P, D/2]
+// Same attributes and outputs as TreeAttention (output [1, S, H*D]). Rotary is rotate-half:
+// y[i] = x[i]*cos - x[i+D/2]*sin, y[i+D/2] = x[i+D/2]*cos + x[i]*sin, for q and k. One node
+// instead of Split + two RotaryEmbedding + TreeAttention (node dispatch dominates a decode step).
+constexpr const char* kPackedOpName = "PackedTreeAttention";
+
+void rotate_half(const float* x, const float* c, const float* s, int64_t half, float* y) {
+  for (int64_t i = 0; i < half; ++i) {
+    const float a = x[i], b = x[i + half];
+    y[i] = a * c[i] - b * s[i];
+    y[i + half] = b * c[i] + a * s[i];
+  }
+}
+
+struct PackedTreeAttentionKernel {
+  int64_t num_heads = 0;
+  int64_t kv_num_heads = 0;
+  float scale = 0.0f;
+  bool has_scale = false;
+  const Kernels* kern = nullptr;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    return guarded(kPackedOpName, [&] { Compute(context); });
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    if (ctx.GetInputCount() != 8 || ctx.GetOutputCount() != 3) fail("packed: expects 8 inputs and 3 outputs");
+    const auto qkv = ctx.GetInput(0), key_cache = ctx.GetInput(1), value_cache = ctx.GetInput(2);
+    const auto past_in = ctx.GetInput(3), mask_in = ctx.GetInput(4), pos_in = ctx.GetInput(5);
+    const auto cos_in = ctx.GetInput(6), sin_in = ctx.GetInput(7);
+    const auto xshape = qkv.GetTensorTypeAndShapeInfo().GetShape();
+    const auto kcshape = key_cache.GetTensorTypeAndShapeInfo().GetShape();
+    const auto mshape = mask_in.GetTensorTypeAndShapeInfo().GetShape();
+    const auto pinfo = pos_in.GetTensorTypeAndShapeInfo();
+    const auto cshape = cos_in.GetTensorTypeAndShapeInfo().GetShape();
+    const int64_t H = num_heads, Hkv = kv_num_heads, heads = H + 2 * Hkv;
+
+    if (xshape.size() != 3 || xshape[0] != 1 || xshape[2] <= 0 || xshape[2] % heads != 0 || xshape[2] / heads % 2)
+      fail("packed: qkv must have shape [1, S, (num_heads + 2*kv_num_heads) * head_dim] with an even head_dim, got ",
+           shape_str(xshape));
+    const int64_t S = xshape[1], D = xshape[2] / heads, half = D / 2, W = xshape[2];
+    if (kcshape.size() != 4 || kcshape[0] != 1 || kcshape[1] != Hkv || kcshape[3] != D)
+      fail("packed: key_cache must have shape [1, ", Hkv, ", capacity, ", D, "], got ", shape_str(kcshape));
+    if (value_cache.GetTensorTypeAndShapeInfo().GetShape() != kcshape)
+      fail("packed: value_cache shape differs from key_cache shape ", shape_str(kcshape));
+    const int64_t C = kcshape[2];
+    if (past_in.GetTensorTypeAndShapeInfo().GetElementCount() != 1 ||
+        past_in.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64)
+      fail("packed: past_len must be an int64 scalar");
+    const int64_t past = past_in.GetTensorData<int64_t>()[0];
+    if (past < 0 || past > C - S) fail("packed: past_len ", past, " + ", S, " new rows exceeds cache capacity ", C);
+    if (mask_in.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL ||
+        mshape.size() != 2 || mshape[0] != S || mshape[1] != S)
+      fail("packed: mask must be bool [S, S] = [", S, ", ", S, "], got ", shape_str(mshape));
+    if (pinfo.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 || pinfo.GetElementCount() != S)
+      fail("packed: position_ids must be int64 [1, S] with S = ", S);
+    if (cshape.size() != 2 || cshape[1] != half || cos_in.GetTensorTypeAndShapeInfo().GetShape() !=
+                                                       sin_in.GetTensorTypeAndShapeInfo().GetShape())
+      fail("packed: cos_cache and sin_cache must both have shape [positions, ", half, "], got ", shape_str(cshape));
+
+    const float* x = qkv.GetTensorData<float>();
+    const int64_t* pos = pos_in.GetTensorData<int64_t>();
+    const float* cos = cos_in.GetTensorData<float>();
+    const float* sin = sin_in.GetTensorData<float>();
+    for (int64_t j = 0; j < S; ++j)
+      if (pos[j] < 0 || pos[j] >= cshape[0])
+        fail("packed: position_ids[", j, "] = ", pos[j], " is outside the rotary tables (", cshape[0], " positions)");
+
+    auto out_v = ctx.GetOutput(0, {1, S, H * D});
+    auto pk_v = ctx.GetOutput(1, kcshape);
+    auto pv_v = ctx.GetOutput(2, kcshape);
+    float* out = out_v.GetTensorMutableData<float>();
+    float* pk = pk_v.GetTensorMutableData<float>();
+    float* pv = pv_v.GetTensorMutableData<float>();
+    const size_t per_head = static_cast<size_t>(C * D);
+    copy_cache(context, key_cache.GetTensorData<float>(), pk, Hkv, per_head);
+    copy_cache(context, value_cache.GetTensorData<float>(), pv, Hkv, per_head);
+
+    // Rotate q into scratch; rotate k and copy v straight into their cache rows.
+    static thread_local Scratch q_scratch;
+    float* q = q_scratch.get(static_cast<size_t>(std::max<int64_t>(1, S * H * D)));
+    for (int64_t j = 0; j < S; ++j) {
+      const float* row = x + j * W;
+      const float* c = cos + pos[j] * half;
+      const float* s = sin + pos[j] * half;
+      for (int64_t h = 0; h < H; ++h) rotate_half(row + h * D, c, s, half, q + (j * H + h) * D);
+      for (int64_t g = 0; g < Hkv; ++g) {
+        const int64_t dst = (g * C + past + j) * D;
+        rotate_half(row + (H + g) * D, c, s, half, pk + dst);
+        std::memcpy(pv + dst, row + (H + Hkv + g) * D, static_cast<size_t>(D) * sizeof(float));
+      }
+    }
+    if (S == 0) return;
+    attend(context, kern, q, reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, out, S, S, H,
+           Hkv, D, C, past, has_scale ? scale : 1.0f / std::sqrt(static_cast<float>(D)));
+  }
+};
+
+struct PackedTreeAttentionOp
+    : Ort::CustomOpBase<PackedTreeAttentionOp, PackedTreeAttentionKernel, /*WithStatus=*/true> {
+  PackedTreeAttentionOp() {
+    start_ver_ = 1;
+    end_ver_ = 1;
+  }
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
+    return create_attention_kernel<PackedTreeAttentionKernel>(api, info, op_kernel, kPackedOpName);
+  }
+  const char* GetName() const { return kPackedOpName; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 8; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    if (index == 3 || index == 4 || index == 5) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // our messages
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+// ---- SiluMul: the SwiGLU gate of a fused gate/up projection -------------------------------------
+//   input x float [..., 2F] = [gate | up]  ->  output float [..., F] = silu(gate) * up
+// One node instead of Split + Sigmoid + Mul + Mul.
+constexpr const char* kSiluMulName = "SiluMul";
+
+struct SiluMulKernel {
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    return guarded(kSiluMulName, [&] { Compute(context); });
+  }
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    const auto in = ctx.GetInput(0);
+    auto shape = in.GetTensorTypeAndShapeInfo().GetShape();
+    if (shape.empty() || shape.back() % 2 != 0)
+      throw OpError("SiluMul: the last dimension must be even ([gate | up]), got shape " + shape_str(shape));
+    const int64_t F = shape.back() / 2;
+    const int64_t rows = F == 0 ? 0 : static_cast<int64_t>(in.GetTensorTypeAndShapeInfo().GetElementCount()) / (2 * F);
+    shape.back() = F;
+    auto out_v = ctx.GetOutput(0, shape);
+    const float* x = in.GetTensorData<float>();
+    float* y = out_v.GetTensorMutableData<float>();
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* gate = x + r * 2 * F;
+      const float* up = gate + F;
+      float* dst = y + r * F;
+      for (int64_t i = 0; i < F; ++i) dst[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
+    }
+  }
+};
+
+struct SiluMulOp : Ort::CustomOpBase<SiluMulOp, SiluMulKernel, /*WithStatus=*/true> {
+  SiluMulOp() {
+    start_ver_ = 1;
+    end_ver_ = 1;
+  }
+  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo*, void** op_kernel) const {
+    *op_kernel = new SiluMulKernel();
+    return nullptr;
+  }
+  const char* GetName() const { return kSiluMulName; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
 // Domains must outlive every session that uses them, including sessions destroyed during process
 // exit, so they are deliberately never released.
 std::mutex g_domains_mutex;
@@ -540,9 +738,13 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   }
   Ort::InitApi(api);
   static dflash::TreeAttentionOp op;
+  static dflash::PackedTreeAttentionOp packed_op;
+  static dflash::SiluMulOp silu_mul_op;
   try {
     Ort::CustomOpDomain domain(dflash::kDomain);
     domain.Add(&op);
+    domain.Add(&packed_op);
+    domain.Add(&silu_mul_op);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(dflash::g_domains_mutex);
     dflash::g_domains->push_back(domain.release());

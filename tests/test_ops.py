@@ -419,3 +419,78 @@ def test_a_row_is_bit_identical_whatever_the_batch(lib, H, Hkv, D, past):
     reference = outputs[1, 25]
     for (threads, S), out in outputs.items():
         assert np.array_equal(out, reference[:S]), (threads, S)
+
+
+# ------------------------------------------------------------------------------------------------
+# PackedTreeAttention (rotary in the op) and SiluMul
+
+def packed_model(H, Hkv, D, scale):
+    inputs = [helper.make_tensor_value_info("qkv", F, [1, "S", (H + 2 * Hkv) * D]),
+              helper.make_tensor_value_info("key_cache", F, [1, Hkv, "C", D]),
+              helper.make_tensor_value_info("value_cache", F, [1, Hkv, "C", D]),
+              helper.make_tensor_value_info("past_len", TensorProto.INT64, []),
+              helper.make_tensor_value_info("mask", TensorProto.BOOL, ["S", "S"]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "S"]),
+              helper.make_tensor_value_info("cos", F, ["P", D // 2]),
+              helper.make_tensor_value_info("sin", F, ["P", D // 2])]
+    outputs = [helper.make_tensor_value_info(n, F, None) for n in ("output", "present_key", "present_value")]
+    node = helper.make_node("PackedTreeAttention", [i.name for i in inputs], [o.name for o in outputs],
+                            domain=dflash.ops.DOMAIN, num_heads=H, kv_num_heads=Hkv, scale=float(scale))
+    return helper.make_model(helper.make_graph([node], "packed", inputs, outputs),
+                             opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(dflash.ops.DOMAIN, 1)])
+
+
+def packed_case(rng, S, past, C, H, Hkv, D, mask, positions=None):
+    angles = np.arange(4096)[:, None] * (10000.0 ** (-np.arange(D // 2) / (D // 2)))[None, :]
+    return dict(qkv=rng.standard_normal((1, S, (H + 2 * Hkv) * D), dtype=np.float32),
+                key_cache=rng.standard_normal((1, Hkv, C, D), dtype=np.float32),
+                value_cache=rng.standard_normal((1, Hkv, C, D), dtype=np.float32),
+                past_len=np.array(past, dtype=np.int64), mask=mask,
+                position_ids=(np.arange(past, past + S) if positions is None else positions)[None].astype(np.int64),
+                cos=np.cos(angles).astype(np.float32), sin=np.sin(angles).astype(np.float32))
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("layout", [(9, 3, 64), (32, 8, 128), (4, 4, 32)], ids=lambda l: "x".join(map(str, l)))
+@pytest.mark.parametrize("kind", ["causal", "tree"])
+def test_packed_matches_reference(lib, layout, threads, kind):
+    from dflash.ops.reference import packed_tree_attention
+
+    H, Hkv, D = layout
+    rng = np.random.default_rng(zlib.crc32(repr(("packed", layout, threads, kind)).encode()))
+    sess = session(packed_model(H, Hkv, D, 0.125), threads)
+    for S, past in ((1, 0), (7, 40), (25, 700)):
+        mask = make_mask(kind, S, rng)
+        positions = None if kind == "causal" else past + mask.sum(1) - 1  # tree: position = past + depth
+        feeds = packed_case(rng, S, past, 1024, H, Hkv, D, mask, positions)
+        out, pk, pv = sess.run(None, feeds)
+        ref = packed_tree_attention(feeds["qkv"], feeds["key_cache"], feeds["value_cache"], feeds["past_len"],
+                                    mask, feeds["position_ids"], feeds["cos"], feeds["sin"], 0.125, H, Hkv)
+        assert np.abs(out - ref[0]).max() <= 1e-5, (S, past)
+        assert np.abs(pk - ref[1]).max() <= 1e-6 and np.array_equal(pv, ref[2])
+
+
+def test_packed_refuses_bad_inputs_clearly(lib):
+    sess = session(packed_model(9, 3, 64, 0.125))
+    rng = np.random.default_rng(0)
+    feeds = packed_case(rng, 4, 10, 64, 9, 3, 64, causal_mask(4))
+    with pytest.raises(ORT_ERRORS, match="exceeds cache capacity"):
+        sess.run(None, {**feeds, "past_len": np.array(62, np.int64)})
+    with pytest.raises(ORT_ERRORS, match="outside the rotary tables"):
+        sess.run(None, {**feeds, "position_ids": np.array([[0, 1, 2, 5000]], np.int64)})
+    with pytest.raises(ORT_ERRORS, match="mask must be bool"):
+        sess.run(None, {**feeds, "mask": causal_mask(3)})
+
+
+def test_silu_mul_matches_reference(lib):
+    from dflash.ops.reference import silu_mul
+
+    x = helper.make_tensor_value_info("x", F, [1, "S", 64])
+    y = helper.make_tensor_value_info("y", F, None)
+    model = helper.make_model(
+        helper.make_graph([helper.make_node("SiluMul", ["x"], ["y"], domain=dflash.ops.DOMAIN)], "silu", [x], [y]),
+        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(dflash.ops.DOMAIN, 1)])
+    data = np.random.default_rng(0).standard_normal((1, 5, 64), dtype=np.float32) * 4
+    out = session(model).run(None, {"x": data})[0]
+    assert out.shape == (1, 5, 32)
+    assert np.abs(out - silu_mul(data)).max() <= 1e-5
