@@ -15,7 +15,6 @@ instead of dozens (node dispatch, not arithmetic, dominates a one-token step):
 - ``dflash::packed_attention`` (projection output [q|k|v], rotary inside) ->
   ``ai.dflash.PackedTreeAttention``: one node for Split + 2 RotaryEmbedding + attention,
   used with ``custom`` for models without q/k norms;
-- ``dflash::silu_mul`` (SwiGLU of a fused [gate|up] projection) -> ``ai.dflash.SiluMul``, with ``custom``;
 - or ONNX ``Attention`` (opset 23, ``onnx``): the baseline.  Its present K/V is a new tensor of
   past+S rows, so the graph copies the whole cache every step to keep the same contract.
 """
@@ -121,18 +120,6 @@ def _(qkv, key_cache, value_cache, past_len, mask, position_ids, cos, sin, scale
     return out, torch.empty_like(key_cache), torch.empty_like(value_cache)
 
 
-@torch.library.custom_op("dflash::silu_mul", mutates_args=())
-def silu_mul(x: torch.Tensor) -> torch.Tensor:
-    """[gate | up] -> silu(gate) * up"""
-    gate, up = x.chunk(2, dim=-1)
-    return torch.nn.functional.silu(gate) * up
-
-
-@silu_mul.register_fake
-def _(x):
-    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
-
-
 # ---- ONNX side -------------------------------------------------------------
 
 _F = OpSchema.FormalParameter
@@ -182,7 +169,6 @@ _schema("PackedTreeAttention", DFLASH_DOMAIN,
         [_F("output", "T"), _F("present_key", "T"), _F("present_value", "T")],
         [("T", ["tensor(float)"], ""), ("I", ["tensor(int64)"], ""), ("B", ["tensor(bool)"], "")],
         _ATTENTION_ATTRS)
-_schema("SiluMul", DFLASH_DOMAIN, [_F("x", "T")], [_F("y", "T")], [("T", ["tensor(float)"], "")], [])
 
 _onnx = Opset("", 1)  # SimplifiedLayerNormalization is an ORT op in the default domain
 _ms = Opset(MS_DOMAIN, 1)
@@ -252,10 +238,6 @@ def _packed_tree_attention(qkv, key_cache, value_cache, past_len, mask, position
                                        num_heads=num_heads, kv_num_heads=kv_num_heads, scale=scale)
 
 
-def _silu_mul(x):
-    return _dflash.SiluMul(x)
-
-
 def translation_table(attention: str) -> dict:
     """The `custom_translation_table` for torch.onnx.export."""
     if attention not in ATTENTION_IMPLEMENTATIONS:
@@ -269,5 +251,4 @@ def translation_table(attention: str) -> dict:
             "gqa": _gqa, "custom": _tree_attention, "onnx": _onnx_attention}[attention],
         # only emitted with `custom` (see target.DecoderLayer)
         torch.ops.dflash.packed_attention.default: _packed_tree_attention,
-        torch.ops.dflash.silu_mul.default: _silu_mul,
     }

@@ -57,7 +57,7 @@ class DecoderLayer(torch.nn.Module):
         self.act = mlp.act_fn
         self.input_norm, self.post_norm = layer.input_layernorm, layer.post_attention_layernorm
         self.split = [self.heads * self.head_dim, self.kv_heads * self.head_dim, self.kv_heads * self.head_dim]
-        # This project's fused ops (PackedTreeAttention, SiluMul): 2 nodes a layer instead of 7.
+        # PackedTreeAttention: one node a layer instead of Split + 2 RotaryEmbedding + attention.
         # Not for q/k-normed models (Qwen3): the norms sit between the projection and the rotary.
         self.fused = fused_ops and self.q_norm is None and self.k_norm is None
 
@@ -82,12 +82,8 @@ class DecoderLayer(torch.nn.Module):
                 q, k, v, io.key_caches[i], io.value_caches[i], io.past_len, io.mask,
                 self.scale, self.heads, self.kv_heads)
         x, hidden = ops.add_rms_norm(self.o_proj(attn), hidden, self.post_norm.weight, self.eps)
-        if self.fused:
-            gated = ops.silu_mul(self.gate_up(x))
-        else:
-            gate, up = self.gate_up(x).chunk(2, dim=-1)
-            gated = self.act(gate) * up
-        return ops.add_rms_norm(self.down(gated), hidden, next_norm.weight, self.eps)
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return ops.add_rms_norm(self.down(self.act(gate) * up), hidden, next_norm.weight, self.eps)
 
 
 class CacheIO:

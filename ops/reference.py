@@ -90,12 +90,6 @@ def packed_tree_attention(qkv, k_cache, v_cache, past_len, mask, position_ids, c
     return tree_attention(q, k, v, k_cache, v_cache, past_len, mask, scale, H, Hkv)
 
 
-def silu_mul(x):
-    """SiluMul: x [..., 2F] = [gate | up] -> silu(gate) * up."""
-    gate, up = np.split(np.asarray(x, dtype=np.float32), 2, axis=-1)
-    return (gate / (1 + np.exp(-gate)) * up).astype(np.float32)
-
-
 def causal_mask(S: int) -> np.ndarray:
     """Row i sees new rows 0..i."""
     return np.tril(np.ones((S, S), dtype=bool))

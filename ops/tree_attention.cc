@@ -670,53 +670,6 @@ struct PackedTreeAttentionOp
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
 };
 
-// ---- SiluMul: the SwiGLU gate of a fused gate/up projection -------------------------------------
-//   input x float [..., 2F] = [gate | up]  ->  output float [..., F] = silu(gate) * up
-// One node instead of Split + Sigmoid + Mul + Mul.
-constexpr const char* kSiluMulName = "SiluMul";
-
-struct SiluMulKernel {
-  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
-    return guarded(kSiluMulName, [&] { Compute(context); });
-  }
-  void Compute(OrtKernelContext* context) {
-    Ort::KernelContext ctx(context);
-    const auto in = ctx.GetInput(0);
-    auto shape = in.GetTensorTypeAndShapeInfo().GetShape();
-    if (shape.empty() || shape.back() % 2 != 0)
-      throw OpError("SiluMul: the last dimension must be even ([gate | up]), got shape " + shape_str(shape));
-    const int64_t F = shape.back() / 2;
-    const int64_t rows = F == 0 ? 0 : static_cast<int64_t>(in.GetTensorTypeAndShapeInfo().GetElementCount()) / (2 * F);
-    shape.back() = F;
-    auto out_v = ctx.GetOutput(0, shape);
-    const float* x = in.GetTensorData<float>();
-    float* y = out_v.GetTensorMutableData<float>();
-    for (int64_t r = 0; r < rows; ++r) {
-      const float* gate = x + r * 2 * F;
-      const float* up = gate + F;
-      float* dst = y + r * F;
-      for (int64_t i = 0; i < F; ++i) dst[i] = gate[i] / (1.0f + std::exp(-gate[i])) * up[i];
-    }
-  }
-};
-
-struct SiluMulOp : Ort::CustomOpBase<SiluMulOp, SiluMulKernel, /*WithStatus=*/true> {
-  SiluMulOp() {
-    start_ver_ = 1;
-    end_ver_ = 1;
-  }
-  OrtStatusPtr CreateKernelV2(const OrtApi&, const OrtKernelInfo*, void** op_kernel) const {
-    *op_kernel = new SiluMulKernel();
-    return nullptr;
-  }
-  const char* GetName() const { return kSiluMulName; }
-  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetInputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-  size_t GetOutputTypeCount() const { return 1; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-};
-
 // Domains must outlive every session that uses them, including sessions destroyed during process
 // exit, so they are deliberately never released.
 std::mutex g_domains_mutex;
@@ -739,12 +692,10 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
   Ort::InitApi(api);
   static dflash::TreeAttentionOp op;
   static dflash::PackedTreeAttentionOp packed_op;
-  static dflash::SiluMulOp silu_mul_op;
   try {
     Ort::CustomOpDomain domain(dflash::kDomain);
     domain.Add(&op);
     domain.Add(&packed_op);
-    domain.Add(&silu_mul_op);
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(dflash::g_domains_mutex);
     dflash::g_domains->push_back(domain.release());

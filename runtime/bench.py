@@ -292,7 +292,7 @@ def verify(bundles, threads, repeats, json_out):
     targets = {}
     for path in bundles:
         info = load_bundle(path)
-        targets[f"{info.attention}-{info.graphs['target']['dtype']}"] = Target(info, threads)
+        targets[Path(path).name] = Target(info, threads)  # e.g. smollm2-gqa
     rows = []
     grid = [(past, s) for past in (256, 2048) for s in (1, 2, 4, 8, 16, 32)]
     with click.progressbar(grid, label="verify", file=sys.stderr) as bar:

@@ -422,7 +422,7 @@ def test_a_row_is_bit_identical_whatever_the_batch(lib, H, Hkv, D, past):
 
 
 # ------------------------------------------------------------------------------------------------
-# PackedTreeAttention (rotary in the op) and SiluMul
+# PackedTreeAttention (rotary in the op)
 
 def packed_model(H, Hkv, D, scale):
     inputs = [helper.make_tensor_value_info("qkv", F, [1, "S", (H + 2 * Hkv) * D]),
@@ -481,16 +481,3 @@ def test_packed_refuses_bad_inputs_clearly(lib):
     with pytest.raises(ORT_ERRORS, match="mask must be bool"):
         sess.run(None, {**feeds, "mask": causal_mask(3)})
 
-
-def test_silu_mul_matches_reference(lib):
-    from dflash.ops.reference import silu_mul
-
-    x = helper.make_tensor_value_info("x", F, [1, "S", 64])
-    y = helper.make_tensor_value_info("y", F, None)
-    model = helper.make_model(
-        helper.make_graph([helper.make_node("SiluMul", ["x"], ["y"], domain=dflash.ops.DOMAIN)], "silu", [x], [y]),
-        opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(dflash.ops.DOMAIN, 1)])
-    data = np.random.default_rng(0).standard_normal((1, 5, 64), dtype=np.float32) * 4
-    out = session(model).run(None, {"x": data})[0]
-    assert out.shape == (1, 5, 32)
-    assert np.abs(out - silu_mul(data)).max() <= 1e-5
