@@ -371,6 +371,17 @@ void attend(OrtKernelContext* context, const Kernels* kern, const float* q, cons
   if (plan.n_chunks > 1) parallel_for(context, plan, merge_item, n_groups);
 }
 
+// What both attention kernels are made with (create_attention_kernel): heads, scale, kernels.
+struct AttentionKernelBase {
+  int64_t num_heads = 0;
+  int64_t kv_num_heads = 0;
+  float scale = 0.0f;
+  bool has_scale = false;
+  const Kernels* kern = nullptr;
+
+  float scale_for(int64_t D) const { return has_scale ? scale : 1.0f / std::sqrt(static_cast<float>(D)); }
+};
+
 // Both attention ops: attributes num_heads, kv_num_heads (H a multiple of it), optional scale.
 template <typename Kernel>
 OrtStatusPtr create_attention_kernel(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel,
@@ -416,12 +427,7 @@ OrtStatusPtr guarded(const char* name, F&& compute) {
   }
 }
 
-struct TreeAttentionKernel {
-  int64_t num_heads = 0;
-  int64_t kv_num_heads = 0;
-  float scale = 0.0f;
-  bool has_scale = false;
-  const Kernels* kern = nullptr;
+struct TreeAttentionKernel : AttentionKernelBase {
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
     return guarded(kOpName, [&] { Compute(context); });
@@ -504,7 +510,7 @@ struct TreeAttentionKernel {
 
     attend(context, kern, query.GetTensorData<float>(),
            reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, out, S, Skv, H, Hkv, D, C,
-           past, has_scale ? scale : 1.0f / std::sqrt(static_cast<float>(D)));
+           past, scale_for(D));
   }
 };
 
@@ -565,12 +571,7 @@ void rotate_half(const float* x, const float* c, const float* s, int64_t half, f
   }
 }
 
-struct PackedTreeAttentionKernel {
-  int64_t num_heads = 0;
-  int64_t kv_num_heads = 0;
-  float scale = 0.0f;
-  bool has_scale = false;
-  const Kernels* kern = nullptr;
+struct PackedTreeAttentionKernel : AttentionKernelBase {
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
     return guarded(kPackedOpName, [&] { Compute(context); });
@@ -646,7 +647,7 @@ struct PackedTreeAttentionKernel {
     }
     if (S == 0) return;
     attend(context, kern, q, reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, out, S, S, H,
-           Hkv, D, C, past, has_scale ? scale : 1.0f / std::sqrt(static_cast<float>(D)));
+           Hkv, D, C, past, scale_for(D));
   }
 };
 
