@@ -87,16 +87,19 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
         fp32_path = folder / "target.onnx"
         export_onnx(source.model, tap_ids, max_len, attention, fp32_path)
         graph = "target.onnx"
+        # int4 with the op library: MatMulQ4, whose rows round alike for any row count (exact
+        # speculation with no padding row); otherwise ORT's MatMulNBits.
+        matmul = "q4" if dtype == "int4" and attention == "custom" else "nbits" if dtype != "fp32" else None
         if dtype != "fp32":
-            progress(f"quantizing to {dtype} (MatMulNBits)")
+            progress(f"quantizing to {dtype} ({'MatMulQ4' if matmul == 'q4' else 'MatMulNBits'})")
             graph = f"target_{dtype}.onnx"
-            quantize(fp32_path, folder / graph, dtype)
+            quantize(fp32_path, folder / graph, dtype, matmul)
             fp32_path.unlink()
             (folder / "target.onnx.data").unlink()
         progress("writing tokenizer and manifest")
         manifest = {
             "model_id": source.model_id, "source": source.path, "architecture": source.architecture,
-            "graphs": {"target": {"file": graph, "dtype": dtype}},
+            "graphs": {"target": {"file": graph, "dtype": dtype, "matmul": matmul}},
             "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
             "max_len": max_len, "kv": kv_layout(config), "taps": tap_ids,
             "attention": attention, "ops_library": "dflash_ops" if attention == "custom" else None,

@@ -115,3 +115,63 @@ def tree_mask(parents) -> np.ndarray:
         if p >= 0:
             m[i] |= m[p]
     return m
+
+
+# ---- MatMulQ4 (matmul_q4.cc): 4-bit weights, rows that round alike for any row count ---------
+
+Q4_BLOCK, Q4_TILE = 32, 16
+
+
+def pack_q4(w):
+    """Quantize W [K, N] (K a multiple of 32) to the MatMulQ4 layout: symmetric 4-bit blocks of 32
+    rows per column; the scale maps the block's largest-magnitude weight to -8 (as ORT's symmetric
+    MatMulNBits does), so the others land in -8..7. Returns (weight uint8 [T, K/32, 256],
+    scales float32 [T, K/32, 16]) with T = ceil(N/16); padding columns are zero."""
+    w = np.asarray(w, dtype=np.float32)
+    K, N = w.shape
+    if K % Q4_BLOCK:
+        raise ValueError(f"K = {K} is not a multiple of {Q4_BLOCK}")
+    T, KB = -(-N // Q4_TILE), K // Q4_BLOCK
+    wp = np.zeros((K, T * Q4_TILE), np.float32)
+    wp[:, :N] = w
+    blocks = wp.reshape(KB, Q4_BLOCK, T, Q4_TILE).transpose(2, 0, 1, 3)  # [T, KB, 32, 16]
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[:, :, None, :], axis=2)[:, :, 0]
+    scale = (extreme / -8.0).astype(np.float32)  # [T, KB, 16]
+    safe = np.where(scale != 0, scale, 1.0)
+    u = (np.clip(np.rint(blocks / safe[:, :, None, :]), -8, 7) + 8).astype(np.uint8)  # [T, KB, 32, 16]
+    # k = 16*hi + 4*c4 + i  ->  byte 64*c4 + 4*c + i, nibble hi
+    u = u.reshape(T, KB, 2, 4, 4, Q4_TILE)                  # [T, KB, hi, c4, i, c]
+    u = u.transpose(0, 1, 2, 3, 5, 4)                       # [T, KB, hi, c4, c, i]
+    packed = u[:, :, 0] | (u[:, :, 1] << 4)                 # [T, KB, c4, c, i]
+    return packed.reshape(T, KB, 256).astype(np.uint8), scale.astype(np.float32)
+
+
+def unpack_q4(weight, scales, N):
+    """The dequantized W [K, N] that MatMulQ4 multiplies by (for tests and error estimates)."""
+    T, KB, _ = weight.shape
+    b = weight.reshape(T, KB, 4, Q4_TILE, 4)                # [T, KB, c4, c, i]
+    u = np.stack([b & 0x0F, b >> 4], axis=2)                # [T, KB, hi, c4, c, i]
+    u = u.transpose(0, 1, 2, 3, 5, 4).reshape(T, KB, Q4_BLOCK, Q4_TILE).astype(np.float32) - 8
+    w = u * scales[:, :, None, :]
+    return w.transpose(1, 2, 0, 3).reshape(KB * Q4_BLOCK, T * Q4_TILE)[:, :N]
+
+
+def matmul_q4(a, weight, scales, N):
+    """MatMulQ4 in numpy, bit for bit: a [..., K] float32 -> [..., N] float32."""
+    a = np.asarray(a, dtype=np.float32)
+    K = a.shape[-1]
+    T, KB, _ = weight.shape
+    x = a.reshape(-1, KB, Q4_BLOCK)
+    amax = np.abs(x).max(axis=2)                            # [M, KB]
+    inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
+    q = np.clip(np.rint(x * inv[:, :, None]), -127, 127).astype(np.int64)
+    sa = (amax / np.float32(127)).astype(np.float32)
+    u = (unpack_q4(weight, np.ones_like(scales), T * Q4_TILE) + 8).astype(np.int64)  # [K, T*16]
+    u = u.reshape(KB, Q4_BLOCK, T * Q4_TILE)
+    dots = np.einsum("mbk,bkn->mbn", q, u) - 8 * q.sum(axis=2)[:, :, None]        # exact ints
+    sb = scales.transpose(1, 0, 2).reshape(KB, T * Q4_TILE)
+    y = np.zeros((x.shape[0], T * Q4_TILE), np.float32)
+    for b in range(KB):  # fma in block order: float64 product of two float32s is exact
+        s = (sa[:, b:b + 1] * sb[b][None, :]).astype(np.float32)
+        y = (dots[:, b].astype(np.float64) * s + y).astype(np.float32)
+    return y[:, :N].reshape(*a.shape[:-1], N)

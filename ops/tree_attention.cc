@@ -54,6 +54,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "matmul_q4.h"
 
 namespace dflash {
 namespace {
@@ -697,6 +698,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     Ort::CustomOpDomain domain(dflash::kDomain);
     domain.Add(&op);
     domain.Add(&packed_op);
+    domain.Add(dflash::matmul_q4_op());
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(dflash::g_domains_mutex);
     dflash::g_domains->push_back(domain.release());

@@ -5,13 +5,14 @@ writes its new K/V rows straight into the cache buffers (past and present are bo
 to the same memory), and its logits into a preallocated buffer; a step only writes a
 few integers and calls `run_with_iobinding`.
 
-Quantized graphs run every call with at least two rows.  ORT's MatMulNBits takes a
-different kernel for one row than for several, and the two round differently (logits
-differ by up to 0.8 at int4, accuracy level 4), so a one-token decode step and a
-multi-token verify could pick different tokens.  With two rows or more, each row's
-result is bit-identical whatever the row count (tests/test_speculative.py checks it),
-so plain decoding pads its one row with a dummy second row, which costs one cache row
-of capacity.  fp32 MatMul is row-count independent and runs single rows as they are.
+Graphs quantized with ORT's MatMulNBits run every call with at least two rows.
+MatMulNBits takes a different kernel for one row than for several, and the two round
+differently (logits differ by up to 0.8 at int4, accuracy level 4), so a one-token decode
+step and a multi-token verify could pick different tokens.  With two rows or more, each
+row's result is bit-identical whatever the row count (tests/test_speculative.py checks
+it), so plain decoding pads its one row with a dummy second row, which costs one cache
+row of capacity.  fp32 MatMul and our MatMulQ4 (int4 bundles with the op library) are
+row-count independent and run single rows as they are.
 """
 
 from __future__ import annotations
@@ -40,7 +41,9 @@ class Target:
         self.cores = set(cores) if cores else None
         self.session = make_session(bundle.graph_path("target"), bundle, threads, cores)
         check_graph_matches(self.session, bundle)
-        self.min_rows = 2 if exact and bundle.graphs["target"]["dtype"] != "fp32" else 1
+        graph = bundle.graphs["target"]
+        padded = graph["dtype"] != "fp32" and graph.get("matmul", "nbits") == "nbits"
+        self.min_rows = 2 if exact and padded else 1
         kv = bundle.kv
         self.capacity = bundle.max_len - (self.min_rows - 1)  # the padding row needs a cache row
         shape = (1, kv["kv_heads"], bundle.max_len, kv["head_dim"])

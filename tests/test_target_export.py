@@ -1,6 +1,7 @@
 """Tiny Llama / Qwen2 / Qwen3 models: exported graphs decode exactly like transformers."""
 
 import numpy as np
+import onnx
 import pytest
 import torch
 
@@ -73,7 +74,12 @@ def test_export_check_and_manifest(tiny):
 def test_quantized_export_runs(tiny, dtype):
     bundle, _ = tiny("llama", dtype=dtype)
     model = Model(bundle)
-    assert model.bundle.graphs["target"] == {"file": f"target_{dtype}.onnx", "dtype": dtype}
+    # int4 with the op library: our MatMulQ4 (row-count independent); int8: ORT's MatMulNBits
+    matmul = {"int4": "q4", "int8": "nbits"}[dtype]
+    assert model.bundle.graphs["target"] == {"file": f"target_{dtype}.onnx", "dtype": dtype, "matmul": matmul}
+    ops = {node.op_type for node in onnx.load(str(bundle / f"target_{dtype}.onnx"), load_external_data=False).graph.node}
+    assert ("MatMulQ4" in ops, "MatMulNBits" in ops, "MatMul" in ops) == (dtype == "int4", dtype == "int8", False)
+    assert model.target.min_rows == (1 if dtype == "int4" else 2)  # no padding row with MatMulQ4
     result = model.generate("the quick brown fox", max_new_tokens=8)
     assert result.stats.new_tokens >= 1
 

@@ -1,0 +1,319 @@
+// MatMulQ4: y = a · W with W [K, N] stored as symmetric 4-bit blocks, as an ONNX Runtime custom op
+// (domain "ai.dflash", version 1).
+//
+// Why not ORT's MatMulNBits: it takes one kernel for a single row and another for several, and
+// the two round differently, so a one-token decode step and a verify of many rows could choose
+// different tokens (speculation would stop being lossless). Here every row goes through the same
+// sequence of operations whatever the row count -- rows share only the weight loads -- so a row's
+// result is bit-identical for any number of rows and any thread count.
+//
+// Inputs
+//   0 a       float [..., K]
+//   1 weight  uint8 [T, K/32, 256]   T = ceil(N/16) tiles of 16 columns, in blocks of 32 rows of W
+//   2 scales  float [T, K/32, 16]    one scale per block and column (padding columns: 0)
+// Attributes: K, N (ints).  Output: y float [..., N].
+//
+// Weights: W[k][n] ~= (u - 8) * scale, u in 0..15. In tile t, block b, byte 64*c4 + 4*c + i
+// (c4 in 0..3, column c = n - 16t in 0..15, i in 0..3) holds u for k = 32b + 4*c4 + i in its low
+// nibble and for k = 32b + 16 + 4*c4 + i in its high nibble. Four consecutive k of one column sit
+// in one 32-bit lane, which is what a VNNI dot product consumes.
+//
+// Arithmetic, per row: each block of 32 activations is quantized to int8 with its own scale
+// sa = max|a| / 127, q = round-to-nearest-even(a * (127 / max|a|)) (a zero block gives q = 0,
+// sa = 0). Then y[n] = sum over blocks b in order of fma(float(dot_b(q, u) - 8 * sum_b(q)),
+// sa_b * scale_bn, acc) from acc = 0. The integer parts are exact, so the vector and portable
+// paths give the same bits.
+
+#define ORT_API_MANUAL_INIT
+#include <onnxruntime_cxx_api.h>
+#undef ORT_API_MANUAL_INIT
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "matmul_q4.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DFLASH_NO_SIMD_DISPATCH)
+#define DFLASH_Q4_AVX512 1
+#include <immintrin.h>
+// GCC 12 warns about _mm512_undefined_ps() inside its own intrinsics (a known false positive).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace dflash {
+namespace {
+
+constexpr const char* kName = "MatMulQ4";
+constexpr int64_t kBlock = 32;       // rows of W per quantization block
+constexpr int64_t kTile = 16;        // columns per tile
+constexpr int64_t kTileBytes = 256;  // packed bytes of one tile-block (16 columns x 32 rows x 4 bits)
+
+struct Q4Error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+template <typename... Args>
+[[noreturn]] void fail(const Args&... args) {
+  std::ostringstream os;
+  os << kName << ": ";
+  (os << ... << args);
+  throw Q4Error(os.str());
+}
+
+// The activations of one call, quantized per row and block.
+struct QuantizedRows {
+  std::vector<int8_t> q;      // [M][K]
+  std::vector<float> scale;   // [M][KB]
+  std::vector<int32_t> bias;  // [M][KB]: 8 * sum of the block's q (the u - 8 offset of W)
+};
+
+void quantize_rows(const float* a, int64_t M, int64_t K, QuantizedRows& out) {
+  const int64_t KB = K / kBlock;
+  out.q.resize(static_cast<size_t>(M * K));
+  out.scale.resize(static_cast<size_t>(M * KB));
+  out.bias.resize(static_cast<size_t>(M * KB));
+  for (int64_t blk = 0; blk < M * KB; ++blk) {
+    const float* x = a + blk * kBlock;  // rows are K = KB * 32 wide, so blocks are contiguous
+    float amax = 0.0f;
+    for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(x[k]));
+    int8_t* q = out.q.data() + blk * kBlock;
+    int32_t sum = 0;
+    if (amax > 0.0f) {
+      const float inv = 127.0f / amax;
+      for (int64_t k = 0; k < kBlock; ++k) {
+        const float r = std::nearbyint(x[k] * inv);  // the default rounding: to nearest even
+        q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+        sum += q[k];
+      }
+    } else {
+      std::memset(q, 0, kBlock);
+    }
+    out.scale[blk] = amax / 127.0f;
+    out.bias[blk] = 8 * sum;
+  }
+}
+
+// One call's work: rows x tiles. A work item is one tile for every row.
+struct Job {
+  const QuantizedRows* rows;
+  const uint8_t* weight;
+  const float* scales;
+  float* y;
+  int64_t M, K, N;
+  std::atomic<bool> failed{false};
+};
+
+// The unpacked 4-bit value for row k (within the block) of column c of a tile-block.
+inline int32_t nibble(const uint8_t* tb, int64_t k, int64_t c) {
+  const int64_t hi = k / 16, c4 = (k % 16) / 4, i = k % 4;
+  const uint8_t byte = tb[64 * c4 + 4 * c + i];
+  return hi ? byte >> 4 : byte & 0x0F;
+}
+
+void tile_portable(const Job& job, int64_t t) {
+  const int64_t K = job.K, KB = K / kBlock, width = std::min(kTile, job.N - t * kTile);
+  const QuantizedRows& qa = *job.rows;
+  for (int64_t m = 0; m < job.M; ++m) {
+    float acc[kTile] = {};
+    for (int64_t b = 0; b < KB; ++b) {
+      const uint8_t* tb = job.weight + (t * KB + b) * kTileBytes;
+      const float* sb = job.scales + (t * KB + b) * kTile;
+      const int8_t* q = qa.q.data() + m * K + b * kBlock;
+      const float sa = qa.scale[m * KB + b];
+      for (int64_t c = 0; c < kTile; ++c) {
+        int32_t dot = 0;
+        for (int64_t k = 0; k < kBlock; ++k) dot += q[k] * nibble(tb, k, c);
+        const float s = sa * sb[c];
+        acc[c] = std::fma(static_cast<float>(dot - qa.bias[m * KB + b]), s, acc[c]);
+      }
+    }
+    std::memcpy(job.y + m * job.N + t * kTile, acc, static_cast<size_t>(width) * sizeof(float));
+  }
+}
+
+#ifdef DFLASH_Q4_AVX512
+// R rows (1..4) of one tile. The weights of a block are unpacked once and used by every row;
+// each row's sums follow the same order as in tile_portable.
+template <int R>
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(const Job& job, int64_t t,
+                                                                               int64_t m0) {
+  const int64_t K = job.K, KB = K / kBlock;
+  const QuantizedRows& qa = *job.rows;
+  const __m512i low4 = _mm512_set1_epi8(0x0F);
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < KB; ++b) {
+    const uint8_t* tb = job.weight + (t * KB + b) * kTileBytes;
+    __m512i u[8];  // u[g]: k = 4g..4g+3 of the block, 16 columns x 4 bytes
+    for (int c4 = 0; c4 < 4; ++c4) {
+      const __m512i bytes = _mm512_loadu_si512(tb + 64 * c4);
+      u[c4] = _mm512_and_si512(bytes, low4);
+      u[c4 + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+    }
+    const __m512 sb = _mm512_loadu_ps(job.scales + (t * KB + b) * kTile);
+    for (int r = 0; r < R; ++r) {
+      const int64_t m = m0 + r;
+      const int8_t* q = qa.q.data() + m * K + b * kBlock;
+      int32_t quad[8];
+      std::memcpy(quad, q, sizeof quad);
+      // Two independent integer chains (exact, so their order does not matter).
+      __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
+      for (int g = 0; g < 8; g += 2) {
+        d0 = _mm512_dpbusd_epi32(d0, u[g], _mm512_set1_epi32(quad[g]));
+        d1 = _mm512_dpbusd_epi32(d1, u[g + 1], _mm512_set1_epi32(quad[g + 1]));
+      }
+      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(d0, d1), _mm512_set1_epi32(qa.bias[m * KB + b]));
+      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(qa.scale[m * KB + b]), sb);
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
+    }
+  }
+  const int64_t width = std::min(kTile, job.N - t * kTile);
+  const __mmask16 keep = static_cast<__mmask16>((1u << width) - 1u);
+  for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(job.y + (m0 + r) * job.N + t * kTile, keep, acc[r]);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const Job& job, int64_t t) {
+  int64_t m = 0;
+  for (; m + 4 <= job.M; m += 4) tile_rows_avx512<4>(job, t, m);
+  switch (job.M - m) {
+    case 3: tile_rows_avx512<3>(job, t, m); break;
+    case 2: tile_rows_avx512<2>(job, t, m); break;
+    case 1: tile_rows_avx512<1>(job, t, m); break;
+    default: break;
+  }
+}
+#endif
+
+using TileFn = void (*)(const Job&, int64_t);
+
+TileFn select_tile_fn() {
+  const char* cap = std::getenv("DFLASH_OPS_KERNELS");  // tests force the portable path with it
+  if (cap != nullptr && std::string(cap) != "avx512") return tile_portable;
+#ifdef DFLASH_Q4_AVX512
+  __builtin_cpu_init();
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return tile_avx512;
+#endif
+  return tile_portable;
+}
+
+std::string shape_str(const std::vector<int64_t>& shape) {
+  std::ostringstream os;
+  os << "[";
+  for (size_t i = 0; i < shape.size(); ++i) os << (i ? "," : "") << shape[i];
+  return os.str() + "]";
+}
+
+struct MatMulQ4Kernel {
+  int64_t K = 0, N = 0;
+  TileFn tile = nullptr;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    try {
+      Compute(context);
+      return nullptr;
+    } catch (const Q4Error& e) {
+      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
+    } catch (const Ort::Exception& e) {
+      return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), (std::string(kName) + ": " + e.what()).c_str());
+    } catch (const std::exception& e) {
+      return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string(kName) + ": " + e.what()).c_str());
+    }
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    if (ctx.GetInputCount() != 3 || ctx.GetOutputCount() != 1) fail("expects 3 inputs and 1 output");
+    const auto a = ctx.GetInput(0), weight = ctx.GetInput(1), scales = ctx.GetInput(2);
+    const auto a_shape = a.GetTensorTypeAndShapeInfo().GetShape();
+    if (a_shape.empty() || a_shape.back() != K) fail("input a ", shape_str(a_shape), " must end in K = ", K);
+    const int64_t T = (N + kTile - 1) / kTile, KB = K / kBlock;
+    const std::vector<int64_t> w_want{T, KB, kTileBytes}, s_want{T, KB, kTile};
+    const auto w_shape = weight.GetTensorTypeAndShapeInfo().GetShape();
+    const auto s_shape = scales.GetTensorTypeAndShapeInfo().GetShape();
+    if (w_shape != w_want) fail("weight ", shape_str(w_shape), " must be ", shape_str(w_want), " for K, N = ", K, ", ", N);
+    if (s_shape != s_want) fail("scales ", shape_str(s_shape), " must be ", shape_str(s_want), " for K, N = ", K, ", ", N);
+    int64_t M = 1;
+    for (size_t i = 0; i + 1 < a_shape.size(); ++i) M *= a_shape[i];
+    std::vector<int64_t> y_shape = a_shape;
+    y_shape.back() = N;
+    float* y = ctx.GetOutput(0, y_shape).GetTensorMutableData<float>();
+    if (M == 0) return;
+
+    static thread_local QuantizedRows rows;  // pool threads only read it
+    quantize_rows(a.GetTensorData<float>(), M, K, rows);
+    Job job;
+    job.rows = &rows;
+    job.weight = weight.GetTensorData<uint8_t>();
+    job.scales = scales.GetTensorData<float>();
+    job.y = y;
+    job.M = M;
+    job.K = K;
+    job.N = N;
+    struct Call {
+      Job* job;
+      TileFn tile;
+    } call{&job, tile};
+    auto thunk = [](void* data, size_t t) {
+      auto* c = static_cast<Call*>(data);
+      try {
+        c->tile(*c->job, static_cast<int64_t>(t));
+      } catch (...) {  // an exception must not escape a pool thread
+        c->job->failed = true;
+      }
+    };
+    Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(context, thunk, static_cast<size_t>(T), 0, &call));
+    if (job.failed) throw std::runtime_error("a tile failed");
+  }
+};
+
+struct MatMulQ4Op : Ort::CustomOpBase<MatMulQ4Op, MatMulQ4Kernel, /*WithStatus=*/true> {
+  MatMulQ4Op() {
+    start_ver_ = 1;
+    end_ver_ = 1;
+  }
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
+    try {
+      Ort::ConstKernelInfo ki(info);
+      auto kernel = std::make_unique<MatMulQ4Kernel>();
+      kernel->K = ki.GetAttribute<int64_t>("K");
+      kernel->N = ki.GetAttribute<int64_t>("N");
+      if (kernel->K <= 0 || kernel->K % kBlock != 0 || kernel->N <= 0) {
+        std::ostringstream os;
+        os << kName << ": K = " << kernel->K << " must be a positive multiple of " << kBlock << " and N = "
+           << kernel->N << " positive";
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, os.str().c_str());
+      }
+      kernel->tile = select_tile_fn();
+      *op_kernel = kernel.release();
+      return nullptr;
+    } catch (const std::exception& e) {
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string(kName) + ": " + e.what()).c_str());
+    }
+  }
+  const char* GetName() const { return kName; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+const OrtCustomOp* matmul_q4_op() {
+  static MatMulQ4Op op;
+  return &op;
+}
+
+}  // namespace dflash
