@@ -74,29 +74,20 @@ struct QuantizedRows {
   std::vector<int32_t> bias;  // [M][KB]: 8 * sum of the block's q (the u - 8 offset of W)
 };
 
-void quantize_rows(const float* a, int64_t M, int64_t K, QuantizedRows& out) {
-  const int64_t KB = K / kBlock;
-  out.q.resize(static_cast<size_t>(M * K));
-  out.scale.resize(static_cast<size_t>(M * KB));
-  out.bias.resize(static_cast<size_t>(M * KB));
-  for (int64_t blk = 0; blk < M * KB; ++blk) {
-    const float* x = a + blk * kBlock;  // rows are K = KB * 32 wide, so blocks are contiguous
+// Quantize `blocks` consecutive blocks of 32 activations (see the header comment).
+void quantize_portable(const float* a, int64_t blocks, int8_t* q, float* scale, int32_t* bias) {
+  for (int64_t blk = 0; blk < blocks; ++blk, a += kBlock, q += kBlock) {
     float amax = 0.0f;
-    for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(x[k]));
-    int8_t* q = out.q.data() + blk * kBlock;
+    for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(a[k]));
     int32_t sum = 0;
-    if (amax > 0.0f) {
-      const float inv = 127.0f / amax;
-      for (int64_t k = 0; k < kBlock; ++k) {
-        const float r = std::nearbyint(x[k] * inv);  // the default rounding: to nearest even
-        q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
-        sum += q[k];
-      }
-    } else {
-      std::memset(q, 0, kBlock);
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    for (int64_t k = 0; k < kBlock; ++k) {
+      const float r = std::nearbyint(a[k] * inv);  // the default rounding: to nearest even
+      q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+      sum += q[k];
     }
-    out.scale[blk] = amax / 127.0f;
-    out.bias[blk] = 8 * sum;
+    scale[blk] = amax / 127.0f;
+    bias[blk] = 8 * sum;
   }
 }
 
@@ -189,20 +180,42 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const Jo
     default: break;
   }
 }
+// The same arithmetic as quantize_portable: max and products are exact or singly rounded alike,
+// and the conversion rounds to nearest even (the default MXCSR mode); |a * inv| <= 127 needs no clamp.
+__attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a, int64_t blocks, int8_t* q,
+                                                                 float* scale, int32_t* bias) {
+  for (int64_t blk = 0; blk < blocks; ++blk, a += kBlock, q += kBlock) {
+    const __m512 x0 = _mm512_loadu_ps(a), x1 = _mm512_loadu_ps(a + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+    scale[blk] = amax / 127.0f;
+    bias[blk] = 8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  }
+}
 #endif
 
 using TileFn = void (*)(const Job&, int64_t);
+using QuantizeFn = void (*)(const float*, int64_t, int8_t*, float*, int32_t*);
 
-TileFn select_tile_fn() {
+struct Paths {
+  TileFn tile = tile_portable;
+  QuantizeFn quantize = quantize_portable;
+};
+
+Paths select_paths() {
+  Paths paths;
   const char* cap = std::getenv("DFLASH_OPS_KERNELS");  // tests force the portable path with it
-  if (cap != nullptr && std::string(cap) != "avx512") return tile_portable;
+  if (cap != nullptr && std::string(cap) != "avx512") return paths;
 #ifdef DFLASH_Q4_AVX512
   __builtin_cpu_init();
   if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni"))
-    return tile_avx512;
+    paths = {tile_avx512, quantize_avx512};
 #endif
-  return tile_portable;
+  return paths;
 }
 
 std::string shape_str(const std::vector<int64_t>& shape) {
@@ -214,7 +227,7 @@ std::string shape_str(const std::vector<int64_t>& shape) {
 
 struct MatMulQ4Kernel {
   int64_t K = 0, N = 0;
-  TileFn tile = nullptr;
+  Paths paths;
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
     try {
@@ -249,7 +262,11 @@ struct MatMulQ4Kernel {
     if (M == 0) return;
 
     static thread_local QuantizedRows rows;  // pool threads only read it
-    quantize_rows(a.GetTensorData<float>(), M, K, rows);
+    const int64_t blocks = M * KB;  // rows are KB blocks wide, so all blocks are contiguous
+    rows.q.resize(static_cast<size_t>(M * K));
+    rows.scale.resize(static_cast<size_t>(blocks));
+    rows.bias.resize(static_cast<size_t>(blocks));
+    paths.quantize(a.GetTensorData<float>(), blocks, rows.q.data(), rows.scale.data(), rows.bias.data());
     Job job;
     job.rows = &rows;
     job.weight = weight.GetTensorData<uint8_t>();
@@ -261,7 +278,7 @@ struct MatMulQ4Kernel {
     struct Call {
       Job* job;
       TileFn tile;
-    } call{&job, tile};
+    } call{&job, paths.tile};
     auto thunk = [](void* data, size_t t) {
       auto* c = static_cast<Call*>(data);
       try {
@@ -292,7 +309,7 @@ struct MatMulQ4Op : Ort::CustomOpBase<MatMulQ4Op, MatMulQ4Kernel, /*WithStatus=*
            << kernel->N << " positive";
         return api.CreateStatus(ORT_INVALID_ARGUMENT, os.str().c_str());
       }
-      kernel->tile = select_tile_fn();
+      kernel->paths = select_paths();
       *op_kernel = kernel.release();
       return nullptr;
     } catch (const std::exception& e) {
