@@ -1,6 +1,7 @@
-"""dflash.ops: the TreeAttention custom op library for ONNX Runtime, and its loader.
+"""dflash.ops: the custom op library for ONNX Runtime (TreeAttention, PackedTreeAttention,
+MatMulQ4), and its loader.
 
-The op lives in ``libdflash_ops.so`` (C++, built by ``bash ops/build.sh`` or ``make ops``).
+The ops live in ``libdflash_ops.so`` (C++, built by ``bash ops/build.sh`` or ``make ops``).
 Typical use::
 
     import onnxruntime as ort
@@ -10,8 +11,8 @@ Typical use::
     dflash.ops.register(so)          # raises OpsLibraryError with a fix if the library is missing
     sess = ort.InferenceSession("target.onnx", so)
 
-The op's semantics are documented in ``tree_attention.cc`` and mirrored by
-``dflash.ops.reference.tree_attention``.
+Each op's semantics are documented in its source (``tree_attention.cc``, ``matmul_q4.cc``) and
+mirrored by a numpy function in ``dflash.ops.reference``.
 """
 
 from __future__ import annotations

@@ -266,6 +266,29 @@ def attention(json_out, repeats):
         Path(json_out).write_text(json.dumps(report, indent=1))
 
 
+@main.command()
+@click.option("--json", "json_out", type=click.Path(), help="write the rows here")
+@click.option("--threads", type=int, default=len(os.sched_getaffinity(0)), show_default=True)
+def matmul(json_out, threads):
+    """4-bit MatMul: MatMulQ4 (ours) vs ORT MatMulNBits at the default model's shapes."""
+    from dflash.ops.bench_matmul import bench_pair
+
+    shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # qkv, o, gate|up, down, lm_head
+    rows = []
+    with click.progressbar(shapes, label="matmul", file=sys.stderr) as bar:
+        for K, N in bar:
+            rows += bench_pair(K, N, [1, 2, 4, 16, 64], threads)
+    ratios = _ratios(rows, ("K", "N", "M"), "q4", "nbits")
+    click.echo(f"{'K':>5s} {'N':>6s} {'M':>3s} {'q4 us':>9s} {'nbits us':>9s} {'nbits/q4':>9s}")
+    for (K, N, m), ratio in ratios.items():
+        us = {r["impl"]: r["us"] for r in rows if (r["K"], r["N"], r["M"]) == (K, N, m)}
+        click.echo(f"{K:5d} {N:6d} {m:3d} {us['q4']:9.1f} {us['nbits']:9.1f} {ratio:9.2f}")
+    if json_out:
+        report = {"machine": machine(), "threads": threads, "rows": rows,
+                  "nbits_over_q4": [{"K": k[0], "N": k[1], "M": k[2], "ratio": v} for k, v in ratios.items()]}
+        Path(json_out).write_text(json.dumps(report, indent=1))
+
+
 def _ratios(rows, keys, a, b) -> dict:
     """time(b) / time(a) for each configuration (> 1: a is faster)."""
     by = {}

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import os
 
 import onnxruntime as ort
@@ -36,10 +37,61 @@ def make_session(path, bundle: Bundle, threads: int | None = None,
         from dflash import ops
 
         ops.register(opts)
+    before = _anonymous_regions()
     try:
-        return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+        session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise BundleError(f"ONNX Runtime could not load {path}: {e}") from e
+    _back_with_huge_pages(_grown(before, _anonymous_regions()))
+    return session
+
+
+_HUGE = 2 << 20  # bytes in an x86-64 huge page
+_MADV_COLLAPSE = 25  # Linux 6.1+
+
+
+def _anonymous_regions() -> dict[int, int]:
+    """start -> end of this process's private anonymous writable mappings, the heap included."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return {}
+    regions = {}
+    for line in lines:
+        fields = line.split()
+        if fields[1].startswith("rw") and (len(fields) < 6 or fields[5] == "[heap]"):
+            start, end = (int(x, 16) for x in fields[0].split("-"))
+            regions[start] = end
+    return regions
+
+
+def _grown(before: dict[int, int], after: dict[int, int]) -> list[tuple[int, int]]:
+    """The address ranges that are new in `after`: new mappings, and the grown tail of old ones
+    (the heap grows upwards)."""
+    return [(max(start, before.get(start, start)), end) for start, end in after.items()
+            if end > before.get(start, start)]
+
+
+def _back_with_huge_pages(regions) -> None:
+    """Move the session's new buffers (its weights, as ORT prepacked them) onto 2 MB pages.
+
+    A decode step streams every weight once; with 4 KB pages the TLB misses cost about 3% of
+    fp32 decode speed on the reference machine. glibc's malloc does not ask for huge pages
+    (unless GLIBC_TUNABLES=glibc.malloc.hugetlb=1 is set at start), so we collapse the pages
+    after the fact. Best effort: where the kernel or libc cannot, nothing changes."""
+    regions = [(start, end) for start, end in regions if end - start >= 2 * _HUGE]
+    if not regions:
+        return
+    try:
+        madvise = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return
+    madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    for start, end in regions:
+        first, last = -(-start // _HUGE) * _HUGE, end // _HUGE * _HUGE
+        if last > first:
+            madvise(first, last - first, _MADV_COLLAPSE)  # an error leaves the pages as they were
 
 
 def run_pinned(session: ort.InferenceSession, binding: ort.IOBinding, cores: set[int] | None) -> None:

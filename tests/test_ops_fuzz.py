@@ -1,5 +1,6 @@
 """Fuzz test of the TreeAttention op: random shapes, masks, past lengths, GQA ratios and kernel
-paths must match the numpy reference; wrong inputs must raise a clean onnxruntime error.
+paths must match the numpy reference; wrong inputs must raise a clean onnxruntime error. Every
+fourth case also runs MatMulQ4 at a random size against its bit-exact reference.
 
 The cases run in a child process, so a crash is a test failure with the last case named, not a
 dead pytest. `make test` also runs them against the AddressSanitizer/UBSan build of the library
@@ -207,6 +208,33 @@ def check_valid(sess, c: dict) -> str | None:
     return None
 
 
+def check_matmul_q4(rng, threads: int) -> str | None:
+    """MatMulQ4 at a random size (partial last tile, 0..70 rows) against its numpy reference."""
+    import onnxruntime as ort
+    from onnx import helper, numpy_helper
+
+    import dflash.ops
+    from dflash.ops.reference import matmul_q4, pack_q4
+
+    K, N, M = 32 * int(rng.integers(1, 33)), int(rng.integers(1, 100)), int(rng.integers(0, 71))
+    packed, scales = pack_q4(rng.standard_normal((K, N)).astype(np.float32))
+    node = helper.make_node("MatMulQ4", ["a", "w", "s"], ["y"], domain=dflash.ops.DOMAIN, K=K, N=N)
+    graph = helper.make_graph([node], "q4", [helper.make_tensor_value_info("a", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                    helper.make_opsetid(dflash.ops.DOMAIN, 1)])
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.enable_cpu_mem_arena = False
+    dflash.ops.register(so)
+    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    a = rng.standard_normal((M, K)).astype(np.float32)
+    if not np.array_equal(sess.run(None, {"a": a})[0], matmul_q4(a, packed, scales, N)):
+        return f"MatMulQ4 K={K} N={N} M={M}: differs from the reference"
+    return None
+
+
 def run_case(i: int, seed: int) -> str | None:
     """Case i: two in three are valid cases, every third a wrong input; returns a failure or None."""
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
@@ -216,7 +244,10 @@ def run_case(i: int, seed: int) -> str | None:
     os.environ["DFLASH_OPS_KERNELS"] = KERNELS[i % len(KERNELS)]
     c = valid_case(rng)
     if i % 3 != 2:
-        return check_valid(session_for(c), c)
+        problem = check_valid(session_for(c), c)
+        if problem is None and i % 4 == 1:
+            problem = check_matmul_q4(rng, c["threads"])
+        return problem
     what = list(MUTATIONS)[i // 3 % len(MUTATIONS)]  # each in turn
     graph, feeds = mutate(c, what, rng)
     print(f"           wrong input: {what}", flush=True)

@@ -170,3 +170,11 @@ def test_generation_from_two_places_at_once_is_refused(model):
         model.generate("the", max_new_tokens=2)
     list(first)
     assert model.generate("the", max_new_tokens=2).finish_reason in ("stop", "length")
+
+
+def test_huge_page_ranges_are_the_new_and_grown_mappings():
+    from dflash.runtime.session import _grown
+
+    before = {0x1000: 0x5000, 0x9000: 0xA000}
+    after = {0x1000: 0x8000, 0x9000: 0xA000, 0x20000: 0x40000}  # heap grew, one new mapping
+    assert sorted(_grown(before, after)) == [(0x5000, 0x8000), (0x20000, 0x40000)]

@@ -1,0 +1,68 @@
+"""Micro-benchmark of MatMulQ4 against ONNX Runtime's MatMulNBits (4-bit, block 32, symmetric,
+accuracy level 4: the settings of `dflash-export --dtype int4` before MatMulQ4 and of
+onnxruntime-genai's int4 CPU models), each as a one-node model on the same random weights."""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import numpy as np
+import onnxruntime as ort
+from onnx import TensorProto, helper, numpy_helper
+
+IMPLS = ("q4", "nbits")
+
+
+def build_model(impl: str, weight: np.ndarray) -> bytes:
+    K, N = weight.shape
+    a = helper.make_tensor_value_info("a", TensorProto.FLOAT, ["M", K])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])
+    if impl == "q4":
+        from dflash.ops.reference import pack_q4
+
+        packed, scales = pack_q4(weight)
+        node = helper.make_node("MatMulQ4", ["a", "w", "s"], ["y"], domain="ai.dflash", K=K, N=N)
+        inits = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")]
+        graph = helper.make_graph([node], "q4", [a], [y], inits)
+        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
+                                                       helper.make_opsetid("ai.dflash", 1)]).SerializeToString()
+    from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    graph = helper.make_graph([helper.make_node("MatMul", ["a", "w"], ["y"])], "mm", [a], [y],
+                              [numpy_helper.from_array(weight, "w")])
+    quantizer = MatMulNBitsQuantizer(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]),
+                                     bits=4, block_size=32, is_symmetric=True, accuracy_level=4)
+    quantizer.process()
+    return quantizer.model.model.SerializeToString()
+
+
+def make_session(impl: str, weight: np.ndarray, threads: int) -> ort.InferenceSession:
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.log_severity_level = 3
+    if impl == "q4":
+        from dflash import ops
+
+        ops.register(opts)
+    return ort.InferenceSession(build_model(impl, weight), opts, providers=["CPUExecutionProvider"])
+
+
+def bench_pair(K: int, N: int, rows: list[int], threads: int, repeats: int = 7, calls: int = 50) -> list[dict]:
+    """µs per call of each implementation for each row count, interleaved, median of `repeats`."""
+    weight = np.random.default_rng(0).standard_normal((K, N), dtype=np.float32) * 0.05
+    sessions = {impl: make_session(impl, weight, threads) for impl in IMPLS}
+    out = []
+    for m in rows:
+        a = np.random.default_rng(m).standard_normal((m, K), dtype=np.float32)
+        times = {impl: [] for impl in IMPLS}
+        for _ in range(repeats):
+            for impl, sess in sessions.items():
+                sess.run(None, {"a": a})
+                start = time.perf_counter()
+                for _ in range(calls):
+                    sess.run(None, {"a": a})
+                times[impl].append((time.perf_counter() - start) / calls * 1e6)
+        out += [{"impl": impl, "K": K, "N": N, "M": m, "threads": threads, "us": statistics.median(t)}
+                for impl, t in times.items()]
+    return out
