@@ -41,7 +41,7 @@ the commands are:
         -p int4 -e cpu -c peers/cache
 
 (int4 with the builder's CPU defaults: MatMulNBits, block 32, symmetric, accuracy_level 4 — the
-same settings as `dflash-export --dtype int4`.) onnxruntime-genai 0.18.0 needs onnxruntime>=1.31,
+quantization `dflash-export --dtype int4` uses too, run by our MatMulQ4 op instead.) onnxruntime-genai 0.18.0 needs onnxruntime>=1.31,
 so it installs next to this project's onnxruntime==1.32.0 pin in the same environment.
 
 The peers are imported only here, and this module only by `dflash-bench compare`: the runtime
