@@ -41,7 +41,7 @@
 #include "matmul_q4.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DFLASH_NO_SIMD_DISPATCH)
-#define DFLASH_Q4_AVX512 1
+#define DFLASH_Q4_X86 1
 #include <immintrin.h>
 // GCC 12 warns about _mm512_undefined_ps() inside its own intrinsics (a known false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -129,7 +129,7 @@ void tile_portable(const Job& job, int64_t t) {
   }
 }
 
-#ifdef DFLASH_Q4_AVX512
+#ifdef DFLASH_Q4_X86
 // R rows (1..4) of one tile. The weights of a block are unpacked once and used by every row;
 // each row's sums follow the same order as in tile_portable.
 template <int R>
@@ -195,6 +195,57 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a,
     bias[blk] = 8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
 }
+// AVX2 (no VNNI): u8 x s8 products summed in pairs by maddubs; 8 groups of 4 sum to at most
+// 8 * 2 * 15 * 127 = 30480 per 16-bit lane, so the integer dot is exact, and the float part is the
+// same fma sequence: the same bits as the other paths. Eight columns per register, so each half
+// of a tile runs its own pass over the blocks.
+template <int R>
+__attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t t, int64_t m0) {
+  const int64_t K = job.K, KB = K / kBlock;
+  const QuantizedRows& qa = *job.rows;
+  const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < KB; ++b) {
+      const uint8_t* tb = job.weight + (t * KB + b) * kTileBytes + 32 * half;
+      __m256i u[8];
+      for (int c4 = 0; c4 < 4; ++c4) {
+        const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * c4));
+        u[c4] = _mm256_and_si256(bytes, low4);
+        u[c4 + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+      }
+      const __m256 sb = _mm256_loadu_ps(job.scales + (t * KB + b) * kTile + 8 * half);
+      for (int r = 0; r < R; ++r) {
+        const int64_t m = m0 + r;
+        int32_t quad[8];
+        std::memcpy(quad, qa.q.data() + m * K + b * kBlock, sizeof quad);
+        __m256i pairs = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(quad[0]));
+        for (int g = 1; g < 8; ++g) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[g], _mm256_set1_epi32(quad[g])));
+        const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(qa.bias[m * KB + b]));
+        const __m256 s = _mm256_mul_ps(_mm256_set1_ps(qa.scale[m * KB + b]), sb);
+        acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r]);
+      }
+    }
+    const int64_t first = t * kTile + 8 * half, width = std::min<int64_t>(8, job.N - first);
+    for (int r = 0; r < R && width > 0; ++r) {
+      alignas(32) float out[8];
+      _mm256_store_ps(out, acc[r]);
+      std::memcpy(job.y + (m0 + r) * job.N + first, out, static_cast<size_t>(width) * sizeof(float));
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) void tile_avx2(const Job& job, int64_t t) {
+  int64_t m = 0;
+  for (; m + 4 <= job.M; m += 4) tile_rows_avx2<4>(job, t, m);
+  switch (job.M - m) {
+    case 3: tile_rows_avx2<3>(job, t, m); break;
+    case 2: tile_rows_avx2<2>(job, t, m); break;
+    case 1: tile_rows_avx2<1>(job, t, m); break;
+    default: break;
+  }
+}
 #endif
 
 using TileFn = void (*)(const Job&, int64_t);
@@ -205,15 +256,18 @@ struct Paths {
   QuantizeFn quantize = quantize_portable;
 };
 
+// The best path this CPU runs: AVX-512 VNNI, else AVX2+FMA, else portable (all give the same
+// bits). DFLASH_OPS_KERNELS=portable|avx2 caps the choice (the tests run every path with it).
 Paths select_paths() {
   Paths paths;
-  const char* cap = std::getenv("DFLASH_OPS_KERNELS");  // tests force the portable path with it
-  if (cap != nullptr && std::string(cap) != "avx512") return paths;
-#ifdef DFLASH_Q4_AVX512
+  const std::string cap = std::getenv("DFLASH_OPS_KERNELS") ? std::getenv("DFLASH_OPS_KERNELS") : "";
+  if (cap == "portable") return paths;
+#ifdef DFLASH_Q4_X86
   __builtin_cpu_init();
-  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+  if (cap != "avx2" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni"))
-    paths = {tile_avx512, quantize_avx512};
+    return {tile_avx512, quantize_avx512};
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) paths.tile = tile_avx2;
 #endif
   return paths;
 }

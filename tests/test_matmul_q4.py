@@ -42,7 +42,7 @@ def test_packing_round_trips_within_a_step():
     assert (err <= step + 1e-7).all()
 
 
-@pytest.mark.parametrize("kernels", [None, "portable"])
+@pytest.mark.parametrize("kernels", [None, "avx2", "portable"])
 def test_matches_reference_bit_for_bit(lib, monkeypatch, kernels):
     if kernels:
         monkeypatch.setenv("DFLASH_OPS_KERNELS", kernels)
