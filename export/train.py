@@ -385,20 +385,29 @@ def evaluate(bundle, prompts, max_new_tokens, drafter_name):
 
     model = Model(bundle)
     block = model.bundle.manifest["dflash"]["block_size"]
-    hist = []
+    hist, by_kind = [], {}
     for row in load_prompts(prompts):
         kwargs = {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
         s = model.generate(max_new_tokens=max_new_tokens, drafter=drafter_name, draft_len=block - 1, **kwargs).stats
-        hist.extend([0] * (len(s.accept_hist) - len(hist)))
-        for k, count in enumerate(s.accept_hist):
-            hist[k] += count
-    steps = sum(hist)
-    tau = 1 + sum(k * c for k, c in enumerate(hist)) / steps
-    click.echo(f"tau {tau:.2f} over {steps} steps (block {block})")
+        hist = _add_counts(hist, s.accept_hist)
+        kind = row.get("kind", "all")
+        by_kind[kind] = _add_counts(by_kind.get(kind, []), s.accept_hist)
+    click.echo(f"tau {_tau(hist):.2f} over {sum(hist)} steps (block {block})")
     for position in range(1, len(hist)):
         reached = sum(hist[position - 1:])
         click.echo(f"  position {position}: accepted {sum(hist[position:]) / reached:.2f} of the time it was reached")
+    click.echo("tau by prompt kind: " + ", ".join(f"{kind} {_tau(h):.2f}" for kind, h in sorted(by_kind.items())))
 
+
+def _add_counts(total: list[int], counts: list[int]) -> list[int]:
+    """Element-wise sum of two histograms of accepted drafts per step."""
+    total = total + [0] * (len(counts) - len(total))
+    return [t + (counts[k] if k < len(counts) else 0) for k, t in enumerate(total)]
+
+
+def _tau(hist: list[int]) -> float:
+    """Tokens committed per step: the accepted drafts plus the target's own token."""
+    return 1 + sum(k * c for k, c in enumerate(hist)) / max(1, sum(hist))
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -239,3 +239,22 @@ def test_draft_vocab_restricts_the_drafter_and_stays_lossless(qwen3_dflash, tmp_
         plain = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True)
         assert model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True, drafter="dflash-tree").tokens \
             == plain.tokens
+
+
+def test_eval_reports_tau_per_position_and_per_kind(qwen3_dflash, tmp_path):
+    """`dflash-train eval`: a full block verified each step; tau overall, per position, per kind."""
+    from click.testing import CliRunner
+
+    from dflash.export.train import _add_counts, _tau, main
+
+    assert _add_counts([3, 1], [1, 0, 2]) == [4, 1, 2] and _tau([4, 1, 2]) == 1 + (1 + 4) / 7
+    prompts = tmp_path / "prompts.jsonl"
+    rows = [("chat", "hello there"), ("code", "def f(x):"), ("chat", "one two three")]
+    prompts.write_text("\n".join(json.dumps({"id": f"p{i}", "kind": kind, "prompt": text})
+                                 for i, (kind, text) in enumerate(rows)))
+    result = CliRunner().invoke(main, ["eval", "--bundle", str(qwen3_dflash[0]), "--prompts", str(prompts),
+                                       "--max-new-tokens", "12"])
+    assert result.exit_code == 0, result.output
+    assert f"(block {BLOCK})" in result.output and "position 1: accepted" in result.output
+    kinds = result.output.split("tau by prompt kind: ")[1]
+    assert kinds.startswith("chat ") and ", code " in kinds
