@@ -393,9 +393,10 @@ def evaluate(bundle, prompts, max_new_tokens, drafter_name):
         kind = row.get("kind", "all")
         by_kind[kind] = _add_counts(by_kind.get(kind, []), s.accept_hist)
     click.echo(f"tau {_tau(hist):.2f} over {sum(hist)} steps (block {block})")
-    for position in range(1, len(hist)):
+    for position in range(1, block):
         reached = sum(hist[position - 1:])
-        click.echo(f"  position {position}: accepted {sum(hist[position:]) / reached:.2f} of the time it was reached")
+        rate = f"{sum(hist[position:]) / reached:.2f} of the time it was reached" if reached else "never reached"
+        click.echo(f"  position {position}: accepted {rate}")
     click.echo("tau by prompt kind: " + ", ".join(f"{kind} {_tau(h):.2f}" for kind, h in sorted(by_kind.items())))
 
 
