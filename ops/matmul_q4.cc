@@ -170,16 +170,19 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(con
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(job.y + (m0 + r) * job.N + t * kTile, keep, acc[r]);
 }
 
-__attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_avx512(const Job& job, int64_t t) {
+// One tile for every row: groups of four rows, then the remaining one to three.
+using RowsFn = void (*)(const Job&, int64_t, int64_t);
+template <RowsFn Rows4, RowsFn Rows3, RowsFn Rows2, RowsFn Rows1>
+void tile_in_row_groups(const Job& job, int64_t t) {
   int64_t m = 0;
-  for (; m + 4 <= job.M; m += 4) tile_rows_avx512<4>(job, t, m);
-  switch (job.M - m) {
-    case 3: tile_rows_avx512<3>(job, t, m); break;
-    case 2: tile_rows_avx512<2>(job, t, m); break;
-    case 1: tile_rows_avx512<1>(job, t, m); break;
-    default: break;
-  }
+  for (; m + 4 <= job.M; m += 4) Rows4(job, t, m);
+  const RowsFn rest[] = {nullptr, Rows1, Rows2, Rows3};
+  if (job.M > m) rest[job.M - m](job, t, m);
 }
+
+const auto tile_avx512 = tile_in_row_groups<tile_rows_avx512<4>, tile_rows_avx512<3>, tile_rows_avx512<2>,
+                                            tile_rows_avx512<1>>;
+
 // The same arithmetic as quantize_portable: max and products are exact or singly rounded alike,
 // and the conversion rounds to nearest even (the default MXCSR mode); |a * inv| <= 127 needs no clamp.
 __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a, int64_t blocks, int8_t* q,
@@ -236,16 +239,7 @@ __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t 
   }
 }
 
-__attribute__((target("avx2,fma"))) void tile_avx2(const Job& job, int64_t t) {
-  int64_t m = 0;
-  for (; m + 4 <= job.M; m += 4) tile_rows_avx2<4>(job, t, m);
-  switch (job.M - m) {
-    case 3: tile_rows_avx2<3>(job, t, m); break;
-    case 2: tile_rows_avx2<2>(job, t, m); break;
-    case 1: tile_rows_avx2<1>(job, t, m); break;
-    default: break;
-  }
-}
+const auto tile_avx2 = tile_in_row_groups<tile_rows_avx2<4>, tile_rows_avx2<3>, tile_rows_avx2<2>, tile_rows_avx2<1>>;
 #endif
 
 using TileFn = void (*)(const Job&, int64_t);
