@@ -70,7 +70,7 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
     from . import sources
     from .bundle import eos_token_ids, staging, write_manifest, write_tokenizer
     from .check import check_target
-    from .quantize import quantize
+    from .quantize import kernel_for, quantize
     from .target import export_onnx, kv_layout
 
     progress = Progress(5 if dtype == "fp32" else 6)
@@ -87,9 +87,7 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
         fp32_path = folder / "target.onnx"
         export_onnx(source.model, tap_ids, max_len, attention, fp32_path)
         graph = "target.onnx"
-        # int4 with the op library: MatMulQ4, whose rows round alike for any row count (exact
-        # speculation with no padding row); otherwise ORT's MatMulNBits.
-        matmul = "q4" if dtype == "int4" and attention == "custom" else "nbits" if dtype != "fp32" else None
+        matmul = kernel_for(dtype, attention)  # q4: rows round alike for any row count, no padding row
         if dtype != "fp32":
             progress(f"quantizing to {dtype} ({'MatMulQ4' if matmul == 'q4' else 'MatMulNBits'})")
             graph = f"target_{dtype}.onnx"

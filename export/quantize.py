@@ -17,6 +17,14 @@ BITS = {"int8": 8, "int4": 4}
 Q4_DOMAIN = "ai.dflash"
 
 
+def kernel_for(dtype: str, attention: str) -> str | None:
+    """The MatMul kernel of a `dtype` target: MatMulQ4 for int4 when the bundle loads the op
+    library (`--attention custom`), else MatMulNBits; None for fp32."""
+    if dtype == "fp32":
+        return None
+    return "q4" if dtype == "int4" and attention == "custom" else "nbits"
+
+
 def quantize(src: Path, dst: Path, dtype: str, kernel: str = "nbits", block_size: int = 32) -> None:
     """Rewrite every constant-weight MatMul of `src` for `dtype` with `kernel` and save to `dst`."""
     if kernel == "q4":

@@ -21,8 +21,9 @@
 // Arithmetic, per row: each block of 32 activations is quantized to int8 with its own scale
 // sa = max|a| / 127, q = round-to-nearest-even(a * (127 / max|a|)) (a zero block gives q = 0,
 // sa = 0). Then y[n] = sum over blocks b in order of fma(float(dot_b(q, u) - 8 * sum_b(q)),
-// sa_b * scale_bn, acc) from acc = 0. The integer parts are exact, so the vector and portable
-// paths give the same bits.
+// sa_b * scale_bn, acc) from acc = 0. The integer parts are exact, so the three paths (AVX-512
+// VNNI, AVX2+FMA, portable; the best the CPU has is picked when the session creates the kernel)
+// give the same bits.
 
 #define ORT_API_MANUAL_INIT
 #include <onnxruntime_cxx_api.h>
