@@ -21,6 +21,8 @@ from typing import Iterator
 
 import numpy as np
 
+from .target import MAX_ROWS
+
 
 @dataclass
 class Draft:
@@ -79,7 +81,8 @@ def speculative_steps(target, drafter, history: list[int], pick, stats) -> Itera
     history = list(history)
     past = len(history) - 1
     while True:
-        room = target.capacity - past - 1  # cache rows left after the root's
+        # nodes that fit after the root's row: in the cache, and in one target call
+        room = min(target.capacity - past, MAX_ROWS) - 1
         start = time.perf_counter()
         draft = drafter.propose(history, room) if room > 0 else Draft()
         drafted = time.perf_counter()

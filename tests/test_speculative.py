@@ -126,6 +126,28 @@ def test_stops_at_capacity_without_writing_past_it(spec_bundle):
         assert spec.tokens == plain.tokens and len(spec.tokens) == 29
 
 
+def test_drafts_fit_one_target_call(spec_bundle, monkeypatch):
+    """A drafter is never offered more nodes than one verify call holds (MAX_ROWS rows with
+    the root), however large the tree it would like to grow."""
+    from dflash.runtime.drafters import LookupDrafter
+    from dflash.runtime.speculative import Draft
+    from dflash.runtime.target import MAX_ROWS
+
+    offered = []
+
+    def greedy_for_room(self, history, room):
+        offered.append(room)
+        return Draft([history[-1]] * room, list(range(-1, room - 1)))  # a chain as long as allowed
+
+    monkeypatch.setattr(LookupDrafter, "propose", greedy_for_room)
+    model = Model(spec_bundle())
+    ids = [5 + i % 4 for i in range(20)]
+    plain = model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True)
+    spec = model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, drafter="lookup")
+    assert spec.tokens == plain.tokens
+    assert max(offered) == MAX_ROWS - 1
+
+
 def test_eos_inside_an_accepted_run_ends_there(spec_bundle):
     model = Model(spec_bundle())
     ids = prompts()[1]
