@@ -12,16 +12,25 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from .sources import SourceError
+
 DTYPES = ("fp32", "int8", "int4")
 BITS = {"int8": 8, "int4": 4}
 Q4_DOMAIN = "ai.dflash"
 
 
-def kernel_for(dtype: str, attention: str) -> str | None:
+def kernel_for(dtype: str, attention: str, requested: str | None = None) -> str | None:
     """The MatMul kernel of a `dtype` target: MatMulQ4 for int4 when the bundle loads the op
-    library (`--attention custom`), else MatMulNBits; None for fp32."""
+    library (`--attention custom`), else MatMulNBits; None for fp32. `requested` overrides
+    where it can run."""
+    if requested == "q4" and (dtype != "int4" or attention != "custom"):
+        raise SourceError(f"--matmul q4 needs --dtype int4 and --attention custom (got {dtype}, {attention})")
     if dtype == "fp32":
+        if requested:
+            raise SourceError(f"--matmul {requested} applies to quantized targets (--dtype int4 or int8)")
         return None
+    if requested:
+        return requested
     return "q4" if dtype == "int4" and attention == "custom" else "nbits"
 
 

@@ -13,6 +13,7 @@ import platform
 import statistics
 import sys
 from pathlib import Path
+from unittest.mock import patch
 
 import click
 
@@ -177,11 +178,13 @@ def parse_cores(text: str | None) -> list[int] | None:
 @click.option("--target-cores", help="also run every speculative mode with the target pinned to these "
               "cores (e.g. 0) and ...")
 @click.option("--draft-cores", help="... the drafter pinned to these (e.g. 1): modes suffixed @pinned")
+@click.option("--small-pages", is_flag=True, help="also run every mode with the weights left on 4 KB "
+              "pages (DFLASH_HUGE_PAGES=0): modes suffixed @4k")
 @click.option("--repeats", default=1, show_default=True, help="runs per prompt (median taken)")
 @click.option("--json", "json_out", type=click.Path(), help="write the report here")
 @click.option("--plot", "plot_out", type=click.Path(), help="write a PNG bar chart here")
 def generate(bundles, prompts, max_new_tokens, modes, draft_len, hf, threads, target_cores, draft_cores,
-             repeats, json_out, plot_out):
+             small_pages, repeats, json_out, plot_out):
     """Decode tokens/s per mode on a prompt file, with outputs checked against `ar`."""
     from dflash.runtime import Model
 
@@ -190,18 +193,28 @@ def generate(bundles, prompts, max_new_tokens, modes, draft_len, hf, threads, ta
     layouts = {"": dict(threads=threads)}
     if target_cores or draft_cores:
         layouts["@pinned"] = dict(target_cores=parse_cores(target_cores), draft_cores=parse_cores(draft_cores))
+    if small_pages:
+        layouts["@4k"] = dict(threads=threads)
+    names = []  # bundle suffixes: "" for the first, then -DTYPE (or the folder name if taken)
     for i, bundle in enumerate(bundles):
         for layout, options in layouts.items():
-            model = Model(bundle, **options)  # one per bundle and layout, shared by its modes
-            suffix = ("" if i == 0 else f"-{model.bundle.graphs['target']['dtype']}") + layout
+            pages = {"DFLASH_HUGE_PAGES": "0"} if layout == "@4k" else {}
+            with patch.dict(os.environ, pages):  # read when the sessions are made
+                model = Model(bundle, **options)  # one per bundle and layout, shared by its modes
+                for mode in set(modes.split(",")) & set(model.drafters):
+                    model.drafter(mode, draft_len)  # its sessions too
+            if not layout:
+                dtype = f"-{model.bundle.graphs['target']['dtype']}"
+                names.append("" if i == 0 else dtype if dtype not in names else f"-{Path(bundle).name}")
+            suffix = names[i] + layout
             for mode in modes.split(","):
                 if mode != "ar" and mode not in model.drafters:
                     skipped.append(f"{mode}{suffix} (not in {bundle}: it has {', '.join(model.drafters)})")
                     continue
-                if layout and mode == "ar":
+                if layout == "@pinned" and mode == "ar":
                     continue  # the pinned layout is about the two sessions
                 runners[mode + suffix] = OrtRunner(model, mode, draft_len)
-                bases[mode + suffix] = "ar" + ("" if i == 0 else f"-{model.bundle.graphs['target']['dtype']}")
+                bases[mode + suffix] = "ar" + names[i]
     for note in skipped:
         click.echo(f"skipped: {note}", err=True)
     if hf:

@@ -42,7 +42,8 @@ def make_session(path, bundle: Bundle, threads: int | None = None,
         session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise BundleError(f"ONNX Runtime could not load {path}: {e}") from e
-    _back_with_huge_pages(_grown(before, _anonymous_regions()))
+    if os.environ.get("DFLASH_HUGE_PAGES", "1") != "0":  # 0: leave them on 4 KB pages (for A/B runs)
+        _back_with_huge_pages(_grown(before, _anonymous_regions()))
     return session
 
 

@@ -70,18 +70,30 @@ def test_export_check_and_manifest(tiny):
     assert (bundle / "tokenizer.json").is_file() and (bundle / "chat_template.jinja").is_file()
 
 
-@pytest.mark.parametrize("dtype", ["int8", "int4"])
-def test_quantized_export_runs(tiny, dtype):
-    bundle, _ = tiny("llama", dtype=dtype)
+@pytest.mark.parametrize("dtype,requested,matmul", [("int8", None, "nbits"), ("int4", None, "q4"),
+                                                    ("int4", "nbits", "nbits")])
+def test_quantized_export_runs(tiny, dtype, requested, matmul):
+    """int4 with the op library: our MatMulQ4 (row-count independent, no padding row) unless
+    --matmul nbits; int8: ORT's MatMulNBits, whose one-row calls get a padding row."""
+    bundle, _ = tiny("llama", dtype=dtype, **({"matmul": requested} if requested else {}))
     model = Model(bundle)
-    # int4 with the op library: our MatMulQ4 (row-count independent); int8: ORT's MatMulNBits
-    matmul = {"int4": "q4", "int8": "nbits"}[dtype]
     assert model.bundle.graphs["target"] == {"file": f"target_{dtype}.onnx", "dtype": dtype, "matmul": matmul}
     ops = {node.op_type for node in onnx.load(str(bundle / f"target_{dtype}.onnx"), load_external_data=False).graph.node}
-    assert ("MatMulQ4" in ops, "MatMulNBits" in ops, "MatMul" in ops) == (dtype == "int4", dtype == "int8", False)
-    assert model.target.min_rows == (1 if dtype == "int4" else 2)  # no padding row with MatMulQ4
+    assert ("MatMulQ4" in ops, "MatMulNBits" in ops, "MatMul" in ops) == (matmul == "q4", matmul == "nbits", False)
+    assert model.target.min_rows == (1 if matmul == "q4" else 2)
     result = model.generate("the quick brown fox", max_new_tokens=8)
     assert result.stats.new_tokens >= 1
+
+
+def test_matmul_choice_is_checked_before_loading():
+    from dflash.export.quantize import kernel_for
+    from dflash.export.sources import SourceError
+
+    with pytest.raises(SourceError, match="--matmul q4 needs --dtype int4 and --attention custom"):
+        kernel_for("int4", "gqa", "q4")
+    with pytest.raises(SourceError, match="applies to quantized targets"):
+        kernel_for("fp32", "custom", "nbits")
+    assert kernel_for("int4", "gqa") == "nbits" and kernel_for("fp32", "custom") is None
 
 
 def test_taps_are_the_tapped_layers_outputs(tiny):
