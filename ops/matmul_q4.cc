@@ -25,21 +25,16 @@
 // VNNI, AVX2+FMA, portable; the best the CPU has is picked when the session creates the kernel)
 // give the same bits.
 
-#define ORT_API_MANUAL_INIT
-#include <onnxruntime_cxx_api.h>
-#undef ORT_API_MANUAL_INIT
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <sstream>
-#include <stdexcept>
 #include <string>
 #include <vector>
 
 #include "matmul_q4.h"
+#include "op_support.h"
 
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DFLASH_NO_SIMD_DISPATCH)
 #define DFLASH_Q4_X86 1
@@ -56,16 +51,9 @@ constexpr int64_t kBlock = 32;       // rows of W per quantization block
 constexpr int64_t kTile = 16;        // columns per tile
 constexpr int64_t kTileBytes = 256;  // packed bytes of one tile-block (16 columns x 32 rows x 4 bits)
 
-struct Q4Error : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 template <typename... Args>
 [[noreturn]] void fail(const Args&... args) {
-  std::ostringstream os;
-  os << kName << ": ";
-  (os << ... << args);
-  throw Q4Error(os.str());
+  fail_in(kName, args...);
 }
 
 // The activations of one call, quantized per row and block.
@@ -99,7 +87,6 @@ struct Job {
   const float* scales;
   float* y;
   int64_t M, K, N;
-  std::atomic<bool> failed{false};
 };
 
 // The unpacked 4-bit value for row k (within the block) of column c of a tile-block.
@@ -267,28 +254,12 @@ Paths select_paths() {
   return paths;
 }
 
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? "," : "") << shape[i];
-  return os.str() + "]";
-}
-
 struct MatMulQ4Kernel {
   int64_t K = 0, N = 0;
   Paths paths;
 
   OrtStatusPtr ComputeV2(OrtKernelContext* context) {
-    try {
-      Compute(context);
-      return nullptr;
-    } catch (const Q4Error& e) {
-      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-    } catch (const Ort::Exception& e) {
-      return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), (std::string(kName) + ": " + e.what()).c_str());
-    } catch (const std::exception& e) {
-      return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string(kName) + ": " + e.what()).c_str());
-    }
+    return guarded(kName, [&] { Compute(context); });
   }
 
   void Compute(OrtKernelContext* context) {
@@ -316,28 +287,8 @@ struct MatMulQ4Kernel {
     rows.scale.resize(static_cast<size_t>(blocks));
     rows.bias.resize(static_cast<size_t>(blocks));
     paths.quantize(a.GetTensorData<float>(), blocks, rows.q.data(), rows.scale.data(), rows.bias.data());
-    Job job;
-    job.rows = &rows;
-    job.weight = weight.GetTensorData<uint8_t>();
-    job.scales = scales.GetTensorData<float>();
-    job.y = y;
-    job.M = M;
-    job.K = K;
-    job.N = N;
-    struct Call {
-      Job* job;
-      TileFn tile;
-    } call{&job, paths.tile};
-    auto thunk = [](void* data, size_t t) {
-      auto* c = static_cast<Call*>(data);
-      try {
-        c->tile(*c->job, static_cast<int64_t>(t));
-      } catch (...) {  // an exception must not escape a pool thread
-        c->job->failed = true;
-      }
-    };
-    Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(context, thunk, static_cast<size_t>(T), 0, &call));
-    if (job.failed) throw std::runtime_error("a tile failed");
+    const Job job{&rows, weight.GetTensorData<uint8_t>(), scales.GetTensorData<float>(), y, M, K, N};
+    parallel_for(context, T, [&](int64_t t) { paths.tile(job, t); }, "a tile failed");
   }
 };
 

@@ -36,12 +36,7 @@
 // parallel pass merges the partial softmax results. The inner loops (kernels.cc) come in AVX-512,
 // AVX2 and portable versions, picked when the session creates the kernel.
 
-#define ORT_API_MANUAL_INIT
-#include <onnxruntime_cxx_api.h>
-#undef ORT_API_MANUAL_INIT
-
 #include <algorithm>
-#include <atomic>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -55,6 +50,7 @@
 
 #include "kernels.h"
 #include "matmul_q4.h"
+#include "op_support.h"
 
 namespace dflash {
 namespace {
@@ -62,25 +58,9 @@ namespace {
 constexpr const char* kDomain = "ai.dflash";
 constexpr const char* kOpName = "TreeAttention";
 
-// An input problem: becomes an ORT_INVALID_ARGUMENT status.
-struct OpError : std::runtime_error {
-  using std::runtime_error::runtime_error;
-};
-
 template <typename... Args>
 [[noreturn]] void fail(const Args&... args) {
-  std::ostringstream os;
-  os << "TreeAttention: ";
-  (os << ... << args);
-  throw OpError(os.str());
-}
-
-std::string shape_str(const std::vector<int64_t>& shape) {
-  std::ostringstream os;
-  os << "[";
-  for (size_t i = 0; i < shape.size(); ++i) os << (i ? "," : "") << shape[i];
-  os << "]";
-  return os.str();
+  fail_in(kOpName, args...);
 }
 
 // A growable, 64-byte aligned float buffer, one per thread (thread_local), so the kernel does no
@@ -291,38 +271,12 @@ void merge_item(const Plan& p, int64_t item) {
   }
 }
 
-// ParallelFor through the C API. The callback runs on pool threads, where an exception must not
-// escape (it would terminate the process): it is caught there and rethrown here.
-struct ParallelJob {
-  const Plan* plan;
-  void (*fn)(const Plan&, int64_t);
-  std::atomic<bool> failed{false};
-};
-
-void parallel_for(OrtKernelContext* ctx, const Plan& plan, void (*fn)(const Plan&, int64_t), int64_t n) {
-  if (n <= 0) return;
-  ParallelJob job;
-  job.plan = &plan;
-  job.fn = fn;
-  auto thunk = [](void* data, size_t i) {
-    auto* j = static_cast<ParallelJob*>(data);
-    try {
-      j->fn(*j->plan, static_cast<int64_t>(i));
-    } catch (...) {
-      j->failed = true;
-    }
-  };
-  Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(ctx, thunk, static_cast<size_t>(n), 0, &job));
-  if (job.failed) throw std::runtime_error("out of memory for the attention scratch buffers");
+// fn(plan, i) for the n work items of an attention call, on ORT's pool.
+void run_items(OrtKernelContext* ctx, const Plan& plan, void (*fn)(const Plan&, int64_t), int64_t n) {
+  parallel_for(ctx, n, [&](int64_t i) { fn(plan, i); }, "out of memory for the attention scratch buffers");
 }
 
 // Copy the whole input cache into a distinct output buffer, one kv head per task.
-struct CopyJob {
-  const float* src;
-  float* dst;
-  size_t per_head;
-};
-
 void copy_cache(OrtKernelContext* ctx, const float* src, float* dst, int64_t heads, size_t per_head) {
   if (src == dst || per_head == 0) return;
   const size_t total = per_head * static_cast<size_t>(heads);
@@ -330,12 +284,9 @@ void copy_cache(OrtKernelContext* ctx, const float* src, float* dst, int64_t hea
     std::memmove(dst, src, total * sizeof(float));
     return;
   }
-  CopyJob job{src, dst, per_head};
-  auto thunk = [](void* data, size_t h) {
-    auto* j = static_cast<CopyJob*>(data);
-    std::memcpy(j->dst + h * j->per_head, j->src + h * j->per_head, j->per_head * sizeof(float));
-  };
-  Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(ctx, thunk, static_cast<size_t>(heads), 0, &job));
+  parallel_for(ctx, heads, [&](int64_t h) {
+    std::memcpy(dst + h * per_head, src + h * per_head, per_head * sizeof(float));
+  }, "cache copy failed");
 }
 
 // Attention of S query rows (q [S, H*D], unscaled) over cache rows < past plus the new rows
@@ -368,8 +319,8 @@ void attend(OrtKernelContext* context, const Kernels* kern, const float* q, cons
     static thread_local Scratch partial;
     plan.partial = partial.get(static_cast<size_t>(n_groups * plan.n_chunks * plan.vmax * (2 + D)));
   }
-  parallel_for(context, plan, run_item, n_groups * plan.n_chunks);
-  if (plan.n_chunks > 1) parallel_for(context, plan, merge_item, n_groups);
+  run_items(context, plan, run_item, n_groups * plan.n_chunks);
+  if (plan.n_chunks > 1) run_items(context, plan, merge_item, n_groups);
 }
 
 // What both attention kernels are made with (create_attention_kernel): heads, scale, kernels.
@@ -410,21 +361,6 @@ OrtStatusPtr create_attention_kernel(const OrtApi& api, const OrtKernelInfo* inf
     return nullptr;
   } catch (const std::exception& e) {
     return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string(name) + ": " + e.what()).c_str());
-  }
-}
-
-// Errors of Compute -> ORT statuses (an input problem -> INVALID_ARGUMENT).
-template <typename F>
-OrtStatusPtr guarded(const char* name, F&& compute) {
-  try {
-    compute();
-    return nullptr;
-  } catch (const OpError& e) {
-    return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, e.what());
-  } catch (const Ort::Exception& e) {
-    return Ort::GetApi().CreateStatus(e.GetOrtErrorCode(), (std::string(name) + ": " + e.what()).c_str());
-  } catch (const std::exception& e) {
-    return Ort::GetApi().CreateStatus(ORT_FAIL, (std::string(name) + ": " + e.what()).c_str());
   }
 }
 
