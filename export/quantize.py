@@ -10,6 +10,7 @@ Two kernels:
 
 from __future__ import annotations
 
+from collections import Counter
 from pathlib import Path
 
 from .sources import SourceError
@@ -39,7 +40,8 @@ def quantize(src: Path, dst: Path, dtype: str, kernel: str = "nbits", block_size
     if kernel == "q4":
         if dtype != "int4":
             raise ValueError(f"the q4 kernel is 4-bit only, not {dtype}")
-        return quantize_q4(src, dst)
+        quantize_q4(src, dst)
+        return
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
@@ -51,9 +53,9 @@ def quantize(src: Path, dst: Path, dtype: str, kernel: str = "nbits", block_size
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
 
 
-def quantize_q4(src: Path, dst: Path) -> int:
+def quantize_q4(src: Path, dst: Path) -> None:
     """Replace each MatMul whose weight is a constant [K, N] with K a multiple of 32 by
-    ai.dflash MatMulQ4; returns how many were replaced."""
+    ai.dflash MatMulQ4."""
     import onnx
     from onnx import helper, numpy_helper
 
@@ -62,11 +64,8 @@ def quantize_q4(src: Path, dst: Path) -> int:
     model = onnx.load(str(src))
     graph = model.graph
     weights = {init.name: init for init in graph.initializer}
-    uses = {}
-    for node in graph.node:
-        for name in node.input:
-            uses[name] = uses.get(name, 0) + 1
-    replaced, nodes = 0, []
+    uses = Counter(name for node in graph.node for name in node.input)
+    nodes = []
     for node in graph.node:
         w = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
         if w is None or len(w.dims) != 2 or w.dims[0] % Q4_BLOCK or w.data_type != onnx.TensorProto.FLOAT:
@@ -80,7 +79,6 @@ def quantize_q4(src: Path, dst: Path) -> int:
         nodes.append(helper.make_node("MatMulQ4", [node.input[0], f"{base}_q4", f"{base}_q4_scales"],
                                       list(node.output), name=node.name + "_q4", domain=Q4_DOMAIN, K=K, N=N))
         uses[base] -= 1
-        replaced += 1
     del graph.node[:]
     graph.node.extend(nodes)
     unused = [init for init in graph.initializer if uses.get(init.name, 1) == 0]
@@ -89,4 +87,3 @@ def quantize_q4(src: Path, dst: Path) -> int:
     if not any(o.domain == Q4_DOMAIN for o in model.opset_import):
         model.opset_import.append(helper.make_opsetid(Q4_DOMAIN, 1))
     onnx.save(model, str(dst), save_as_external_data=True, location=Path(dst).name + ".data")
-    return replaced

@@ -14,20 +14,28 @@ from onnx import TensorProto, helper, numpy_helper
 IMPLS = ("q4", "nbits")
 
 
+def q4_model(K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None):
+    """One-node MatMulQ4 model: input "a" (shape `a_shape`; None leaves it untyped, so that bad
+    shapes reach the op), weights as initializers, output "y"."""
+    node = helper.make_node("MatMulQ4", ["a", "weight", "scales"], ["y"], domain="ai.dflash", K=K, N=N)
+    a_dims = None if a_shape is None else list(a_shape)
+    graph = helper.make_graph(
+        [node], "matmul_q4", [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_dims)],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(packed, "weight"), numpy_helper.from_array(scales, "scales")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.dflash", 1)])
+
+
 def build_model(impl: str, weight: np.ndarray) -> bytes:
     K, N = weight.shape
-    a = helper.make_tensor_value_info("a", TensorProto.FLOAT, ["M", K])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])
     if impl == "q4":
         from dflash.ops.reference import pack_q4
 
-        packed, scales = pack_q4(weight)
-        node = helper.make_node("MatMulQ4", ["a", "w", "s"], ["y"], domain="ai.dflash", K=K, N=N)
-        inits = [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")]
-        graph = helper.make_graph([node], "q4", [a], [y], inits)
-        return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                       helper.make_opsetid("ai.dflash", 1)]).SerializeToString()
+        return q4_model(K, N, *pack_q4(weight), a_shape=["M", K]).SerializeToString()
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
+
+    a = helper.make_tensor_value_info("a", TensorProto.FLOAT, ["M", K])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, ["M", N])
 
     graph = helper.make_graph([helper.make_node("MatMul", ["a", "w"], ["y"])], "mm", [a], [y],
                               [numpy_helper.from_array(weight, "w")])

@@ -5,23 +5,16 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from onnx import TensorProto, helper, numpy_helper
 
-import dflash.ops
+from dflash.ops.bench_matmul import q4_model as one_node
 from dflash.ops.reference import matmul_q4, pack_q4, unpack_q4
 
 from test_ops import ORT_ERRORS, lib, session  # noqa: F401  (fixture and helpers)
 
 
 def q4_model(K, N, weight, scales, a_shape=("M", None)):
-    node = helper.make_node("MatMulQ4", ["a", "weight", "scales"], ["y"], domain=dflash.ops.DOMAIN, K=K, N=N)
-    a_dims = [K if d is None else d for d in a_shape]
-    graph = helper.make_graph(
-        [node], "matmul_q4", [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_dims)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(weight, "weight"), numpy_helper.from_array(scales, "scales")])
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                   helper.make_opsetid(dflash.ops.DOMAIN, 1)])
+    """The one-node model with input a [*a_shape] (None: K)."""
+    return one_node(K, N, weight, scales, [K if d is None else d for d in a_shape])
 
 
 def random_weights(rng, K, N):

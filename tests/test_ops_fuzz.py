@@ -211,19 +211,14 @@ def check_valid(sess, c: dict) -> str | None:
 def check_matmul_q4(rng, threads: int) -> str | None:
     """MatMulQ4 at a random size (partial last tile, 0..70 rows) against its numpy reference."""
     import onnxruntime as ort
-    from onnx import helper, numpy_helper
 
     import dflash.ops
+    from dflash.ops.bench_matmul import q4_model
     from dflash.ops.reference import matmul_q4, pack_q4
 
     K, N, M = 32 * int(rng.integers(1, 33)), int(rng.integers(1, 100)), int(rng.integers(0, 71))
     packed, scales = pack_q4(rng.standard_normal((K, N)).astype(np.float32))
-    node = helper.make_node("MatMulQ4", ["a", "w", "s"], ["y"], domain=dflash.ops.DOMAIN, K=K, N=N)
-    graph = helper.make_graph([node], "q4", [helper.make_tensor_value_info("a", TensorProto.FLOAT, None)],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                              [numpy_helper.from_array(packed, "w"), numpy_helper.from_array(scales, "s")])
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17),
-                                                    helper.make_opsetid(dflash.ops.DOMAIN, 1)])
+    model = q4_model(K, N, packed, scales)  # untyped input
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.enable_cpu_mem_arena = False
