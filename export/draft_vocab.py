@@ -2,7 +2,8 @@
 tokens, which cuts its lm_head (the largest matrix of a small drafter) by V/N.
 
 Frequencies come from text tokenized with the target's tokenizer: the user's own files, or by
-default this project's offline prompt corpus (Python stdlib docs and code, chat/list/math prompts).
+default this project's offline corpus (Python stdlib docstrings and code, and the drafter-training
+request templates).
 Special tokens (end of turn, end of text) are always kept so the drafter can propose a stop."""
 
 import json
@@ -14,11 +15,13 @@ from .sources import SourceError
 def corpus_texts(files=()) -> list[str]:
     """Plain-text files (or .jsonl of prompts/messages) given by the user, else the offline corpus."""
     if not files:
-        from .train_data import _stdlib_texts, build_prompts
+        import random
 
-        prose, functions = _stdlib_texts()
-        prompts = [m["content"] for p in build_prompts(800) for m in p["messages"]]
-        return prose + functions + prompts
+        from dflash.train import prompts, texts
+
+        rng = random.Random(0)
+        requests = [prompts.template_request(rng)[1] for _ in range(800)]
+        return list(texts.paragraphs("stdlib-docstrings")) + texts.stdlib_functions() + requests
     texts = []
     for f in map(Path, files):
         if not f.is_file():

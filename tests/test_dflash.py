@@ -245,7 +245,8 @@ def test_eval_reports_tau_per_position_and_per_kind(qwen3_dflash, tmp_path):
     """`dflash-train eval`: a full block verified each step; tau overall, per position, per kind."""
     from click.testing import CliRunner
 
-    from dflash.export.train import _add_counts, _tau, main
+    from dflash.train.cli import main
+    from dflash.train.evaluate import add_counts as _add_counts, tau as _tau
 
     assert _add_counts([3, 1], [1, 0, 2]) == [4, 1, 2] and _tau([4, 1, 2]) == 1 + (1 + 4) / 7
     prompts = tmp_path / "prompts.jsonl"

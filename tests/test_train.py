@@ -1,17 +1,14 @@
-"""dflash-train: the block attention mask, the prompt set, and data -> fit -> resume -> export
--> lossless decoding end to end on a tiny target, in seconds."""
+"""dflash-train: the objective's pieces, the prompt sources, the sampler, and the whole pipeline
+(data -> resume -> fit -> resume -> export -> lossless decoding) on a tiny target, in seconds."""
 
-import json
 import random
 
 import pytest
 import torch
 
-from conftest import SHARED_PROMPTS
-
 
 def test_block_mask_matches_a_brute_force_construction():
-    from dflash.export.train import block_mask
+    from dflash.train.objective import block_mask
 
     length, block, anchors = 11, 4, [2, 5, 9]
     mask = block_mask(length, anchors, block)
@@ -25,54 +22,102 @@ def test_block_mask_matches_a_brute_force_construction():
             assert bool(mask[row, col]) == expected, (row, col)
 
 
-def test_prompt_set_covers_every_kind_and_is_not_the_eval_set():
-    from dflash.export.train_data import build_prompts
+def test_anchors_and_label_rows_stay_inside_the_sequence():
+    from dflash.train.objective import label_rows, sample_anchors
 
-    prompts = build_prompts(100)
-    assert {p["kind"] for p in prompts} == {"chat", "code", "math", "list", "grounded"}
-    assert len({p["messages"][0]["content"] for p in prompts}) > 80
-    assert build_prompts(100) == prompts  # deterministic for a seed
-    if SHARED_PROMPTS.is_file():
-        evaluation = {json.loads(line)["messages"][0]["content"] for line in SHARED_PROMPTS.read_text().splitlines()
-                      if line.strip()}
-        assert not evaluation & {p["messages"][0]["content"] for p in prompts}
+    assert sample_anchors(12, 20, 50, random.Random(0)) == list(range(11, 19))
+    # position k of anchor a learns the target's forward row a+k-1 (which predicts token a+k)
+    assert label_rows([17, 18], 4, 20).tolist() == [[17, 18, -1], [18, -1, -1]]
 
 
-def test_targets_and_anchors_stay_inside_the_answer():
-    from dflash.export.train import block_targets, sample_anchors
+def test_soft_loss_is_cross_entropy_for_one_hot_labels_and_ignores_outside_ids():
+    from dflash.train.objective import position_weights, soft_loss
 
-    tokens = torch.arange(100, 120)
-    anchors = sample_anchors(12, 20, 50, random.Random(0))
-    assert anchors == list(range(11, 19))
-    targets = block_targets(tokens, [17, 18], 4)
-    assert targets.tolist() == [[118, 119, -100], [119, -100, -100]]
-    vocab_map = torch.full((200,), -1)
-    vocab_map[118] = 0
-    assert block_targets(tokens, [17], 4, vocab_map).tolist() == [[0, -100, -100]]
+    torch.manual_seed(0)
+    logits = torch.randn(2, 3, 10)
+    hard = torch.tensor([[1, 4, 7], [0, 2, 9]])
+    ids = torch.stack([hard, torch.full_like(hard, -1)], -1)  # second label outside the draft vocabulary
+    probs = torch.tensor([0.6, 0.4]).expand(2, 3, 2)
+    valid = torch.ones(2, 3)
+    w = position_weights(4)
+    expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 10), hard.reshape(-1), reduction="none")
+    expected = (expected.view(2, 3) * w).sum() / (2 * w.sum())
+    assert torch.allclose(soft_loss(logits, ids, probs, valid, w), expected, atol=1e-6)
 
 
-def test_data_fit_resume_export_and_decode(tmp_path):
+def test_self_written_requests_are_filtered_and_deduplicated():
+    from dflash.train.prompts import acceptable_request, dedup_key
+
+    assert acceptable_request("How do I keep my sourdough starter alive over a long holiday?")
+    assert not acceptable_request("hi")  # too short
+    assert not acceptable_request("the the the the the the the the the the the the")  # a loop
+    assert not acceptable_request("Write a poem.\nWrite a poem.\nWrite a poem about it")  # repeated lines
+    assert dedup_key("What is X, exactly? And why?") == dedup_key("what is x exactly and why")
+
+
+def test_sampler_greedy_matches_generate_and_rows_do_not_disturb_each_other(tmp_path):
+    from tiny_models import make_model, make_tokenizer
+
+    from dflash.train.sampler import sample
+
+    tok = make_tokenizer()
+    model = make_model("llama", len(tok))
+    prompts = [tok("the quick brown fox").input_ids, tok("a cache holds keys").input_ids[:3]]
+    together = sample(model, prompts, 12, {2}, 0, temperature=0)
+    alone = [sample(model, [p], 12, {2}, 0, temperature=0)[0] for p in prompts]
+    assert [s.tokens for s in together] == [s.tokens for s in alone]
+    for p, s in zip(prompts, together):
+        assert s.tokens == s.greedy  # at temperature 0 the sample is the argmax label
+        ref = model.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False, eos_token_id=2)[0, len(p):]
+        assert s.tokens == ref.tolist()[: len(s.tokens)]
+    sampled = sample(model, prompts * 3, 12, {2}, 0, temperature=1.0, seed=3)
+    assert sampled[0].tokens != sampled[2].tokens or sampled[1].tokens != sampled[3].tokens
+
+
+@pytest.fixture
+def small_rounds(monkeypatch):
+    from dflash.train import data
+
+    monkeypatch.setattr(data, "MIX", {"magpie": 3, "followup": 2, "grounded": 2, "define": 1})
+    monkeypatch.setattr(data, "BATCH", 10)
+    monkeypatch.setattr(data, "MAGPIE_CANDIDATES", 6)
+
+
+def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
+    from tiny_models import save_model_folder
+
     from dflash.export import sources
     from dflash.export.cli import export_dflash, export_target
-    from dflash.export.train import train
-    from dflash.export.train_data import build_prompts, generate
     from dflash.runtime import Model
-    from tiny_models import save_model_folder
+    from dflash.train import shards
+    from dflash.train.data import Target, run
+    from dflash.train.fit import load_sequences, train
 
     hf = save_model_folder("qwen3", tmp_path / "hf", layers=8)
     export_target(str(hf), tmp_path / "bundle", max_len=256)
-    prompts = build_prompts(10)
-    path = generate(sources.load(str(hf)), prompts[:6], tmp_path / "data", 20, 3, echo=lambda m: None)
-    generate(sources.load(str(hf)), prompts, tmp_path / "data", 20, 3, echo=lambda m: None)  # resumes
-    rows = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["id"] for r in rows] == [p["id"] for p in prompts]
+    source = sources.load(str(hf))
+    target = Target(source)
+    run(target, tmp_path / "data", answer_tokens=1, max_new_tokens=16, echo=lambda m: None)
+    assert len(list((tmp_path / "data").glob("shard-*.npz"))) == 1
+    run(target, tmp_path / "data", answer_tokens=200, max_new_tokens=16, echo=lambda m: None)  # resumes
+    rows = shards.read_all(tmp_path / "data")
+    assert sum(len(r["answer"]) for r in rows) >= 200 and len({r["id"] for r in rows}) == len(rows)
+    assert {"template", "followup"} <= {r["source"] for r in rows}
+    followup = next(r for r in rows if r["source"] == "followup")
+    conversation = shards.messages(followup, {r["id"]: r for r in rows}, target.decode)
+    assert [m["role"] for m in conversation[-3:]] == ["user", "assistant", "user"]
+    assert all(len(r["greedy"]) == len(r["answer"]) for r in rows)
 
+    manifest = __import__("json").loads((tmp_path / "bundle" / "dflash.json").read_text())
+    sequences = load_sequences([tmp_path / "data"], target)
+    assert sequences[0]["prompt"] == target.encode(target.render(rows[0]["messages"]))
     options = dict(layers=1, block=8, draft_vocab=120, minutes=5, anchors=8, echo=lambda m: None)
-    first = train(tmp_path / "bundle", tmp_path / "data", tmp_path / "drafter", max_steps=20, **options)
+    first = train(source, manifest, [tmp_path / "data"], tmp_path / "drafter", tmp_path / "cache", max_steps=20,
+                  **options)
     assert first["step"] == 20 and first["history"]
-    later = train(tmp_path / "bundle", tmp_path / "data", tmp_path / "drafter", max_steps=30, resume=True, **options)
+    later = train(source, manifest, [tmp_path / "data"], tmp_path / "drafter", tmp_path / "cache", max_steps=30,
+                  resume=True, **options)
     assert later["step"] == 30 and len(later["history"]) == len(first["history"]) + 1
-    assert later["history"][-1]["loss"] < first["history"][0]["loss"] + 1.0
 
     export_dflash(tmp_path / "drafter", tmp_path / "bundle")
     model = Model(tmp_path / "bundle")
@@ -82,10 +127,32 @@ def test_data_fit_resume_export_and_decode(tmp_path):
         assert model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, drafter=drafter).tokens == plain.tokens
 
 
+def test_label_cache_resumes_where_it_stopped(tmp_path):
+    from tiny_models import make_model, make_tokenizer
+
+    from dflash.train.fit import LabelCache
+
+    model = make_model("llama", len(make_tokenizer()), layers=4)
+    rows = [{"id": f"r{i}", "prompt": [1, 5, 6], "answer": list(range(7, 7 + 5 + i))} for i in range(4)]
+    whole = LabelCache(tmp_path / "a", rows, [1, 2], 64)
+    whole.build(model, rows, echo=lambda m: None)
+    part = LabelCache(tmp_path / "b", rows, [1, 2], 64)
+    part.build(model, rows[:2], echo=lambda m: None)
+    part._save(2)
+    again = LabelCache(tmp_path / "b", rows, [1, 2], 64)
+    assert again.done == 2
+    again.build(model, rows, echo=lambda m: None)
+    for i in range(4):
+        for a, b in zip(whole.sequence(i), again.sequence(i)):
+            assert torch.equal(a, b)
+
+
 def test_missing_data_is_a_clear_error(tmp_path):
-    import click
+    from click.testing import CliRunner
 
-    from dflash.export.train import load_sequences
+    from dflash.train.cli import main
 
-    with pytest.raises(click.ClickException, match="run `dflash-train data` first"):
-        load_sequences(tmp_path)
+    (tmp_path / "empty").mkdir()
+    result = CliRunner().invoke(main, ["fit", "--target", str(tmp_path), "--data", str(tmp_path / "empty"),
+                                       "--out", str(tmp_path / "out")])
+    assert result.exit_code != 0 and "run `dflash-train data` first" in result.output

@@ -1,0 +1,1 @@
+"""dflash.train: the drafter-training campaign (data, fit, evaluation); see `dflash-train --help`."""

@@ -1,0 +1,110 @@
+"""`dflash-train`: train a drafter for an exported target, on a CPU.
+
+    dflash-train data --target bundles/smollm2 --out campaign/smollm2/answers --tokens 1000000
+    dflash-train fit  --target bundles/smollm2 --data campaign/smollm2/answers --out out/drafter
+    dflash-export drafter out/drafter --target bundles/smollm2
+    dflash-train eval --bundle bundles/smollm2                # acceptance through ONNX Runtime
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import click
+
+
+@click.group()
+def main():
+    """Train a drafter for an exported target (the target stays frozen)."""
+
+
+def load_target(bundle):
+    """The bundle's manifest and its source model in transformers (fp32)."""
+    from dflash.export import sources
+
+    manifest = json.loads((Path(bundle) / "dflash.json").read_text())
+    return manifest, sources.load(manifest["source"])
+
+
+@main.command()
+@click.option("--target", "bundle", required=True, type=click.Path(exists=True), help="target bundle")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="shard folder (resumable)")
+@click.option("--tokens", "answer_tokens", default=1_000_000, show_default=True,
+              help="stop once the answers hold this many tokens")
+@click.option("--max-new-tokens", default=320, show_default=True)
+@click.option("--threads", default=0, help="torch threads (0: all cores)")
+@click.option("--seed", default=0, show_default=True)
+def data(bundle, out, answer_tokens, max_new_tokens, threads, seed):
+    """The target's own sampled answers to self-written, template, grounded and follow-up requests,
+    in resumable shards (see dflash/train/data.py)."""
+    import torch
+
+    from .data import Target, run
+
+    if threads:
+        torch.set_num_threads(threads)
+    _, source = load_target(bundle)
+    run(Target(source), out, answer_tokens, seed, max_new_tokens,
+        echo=lambda m: click.echo(m, err=True))
+
+
+@main.command()
+@click.option("--target", "bundle", required=True, type=click.Path(exists=True), help="target bundle")
+@click.option("--data", "data_dirs", required=True, multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="shard folder(s) written by `dflash-train data`")
+@click.option("--out", required=True, type=click.Path(path_type=Path), help="drafter folder (z-lab layout)")
+@click.option("--cache", "cache_dir", type=click.Path(path_type=Path),
+              help="where the target's features and soft labels are kept (default: OUT/cache)")
+@click.option("--layers", default=1, show_default=True)
+@click.option("--block", default=16, show_default=True)
+@click.option("--draft-vocab", type=int, help="restrict outputs to the N most frequent tokens")
+@click.option("--minutes", default=30.0, show_default=True, help="training time budget")
+@click.option("--anchors", default=32, show_default=True, help="blocks per sequence and step")
+@click.option("--lr", default=6e-4, show_default=True)
+@click.option("--mask-token-id", default=0, show_default=True)
+@click.option("--threads", default=0, help="torch threads (0: all cores)")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
+def fit(bundle, data_dirs, out, cache_dir, layers, block, draft_vocab, minutes, anchors, lr, mask_token_id,
+        threads, seed, resume):
+    """Fit a DFlash drafter with soft labels; checkpoints and a plot in OUT (see dflash/train/fit.py)."""
+    import torch
+
+    from .fit import train
+
+    empty = [str(d) for d in data_dirs if not any(Path(d).glob("shard-*.npz"))]
+    if empty:
+        raise click.ClickException(f"no data shards in {', '.join(empty)}: run `dflash-train data` first")
+    if threads:
+        torch.set_num_threads(threads)
+    manifest, source = load_target(bundle)
+    train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
+          draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
+          seed=seed, resume=resume, echo=lambda m: click.echo(m, err=True))
+
+
+@main.command("eval")
+@click.option("--bundle", required=True, type=click.Path(exists=True))
+@click.option("--prompts", type=click.Path(exists=True), help="JSONL prompt file (default: the benchmark set)")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--drafter", "drafter_name", default="dflash", show_default=True)
+def evaluate(bundle, prompts, max_new_tokens, drafter_name):
+    """Acceptance per block position and per prompt kind on a prompt file, through ONNX Runtime
+    (a full block verified every step, so every position is tested)."""
+    from dflash.bench.prompts import BENCHMARK, load_prompts
+
+    from .evaluate import evaluate as run, position_rates, tau
+
+    result = run(bundle, load_prompts(prompts or BENCHMARK), max_new_tokens, drafter_name)
+    hist, block = result["hist"], result["block"]
+    click.echo(f"tau {tau(hist):.2f} over {sum(hist)} steps (block {block})")
+    for position, rate in enumerate(position_rates(hist, block), 1):
+        said = f"{rate:.2f} of the time it was reached" if rate is not None else "never reached"
+        click.echo(f"  position {position}: accepted {said}")
+    click.echo("tau by prompt kind: " + ", ".join(f"{kind} {tau(h):.2f}" for kind, h in sorted(result["by_kind"].items())))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

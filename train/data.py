@@ -1,0 +1,115 @@
+"""The campaign's data job: rounds of the target's own sampled answers, resumable.
+
+Each round writes one shard (`shard-NNNNN.npz`, see shards.py): the target first writes
+candidate requests of its own (Magpie), then answers a batch that mixes those with
+template, grounded, word-definition and follow-up requests, sampled at temperature 0.7
+with its argmax recorded at every position.  A round's random choices depend only on
+(seed, round), so a resumed job continues exactly where an interrupted one stopped.
+"""
+
+from __future__ import annotations
+
+import random
+import time
+from pathlib import Path
+
+from . import prompts, shards
+from .sampler import looping, sample
+
+# Rows per round by source (the batch); magpie gets what its candidates yield, templates fill the rest.
+MIX = {"magpie": 28, "followup": 8, "grounded": 12, "define": 4}
+BATCH = 64
+MAGPIE_CANDIDATES = 40
+
+
+class Target:
+    """The fp32 target in transformers, with its chat template and end tokens."""
+
+    def __init__(self, source):
+        self.model, self.tokenizer = source.model, source.tokenizer
+        tok = self.tokenizer
+        self.end_ids = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"),
+                                    tok.convert_tokens_to_ids("<|eot_id|>")) if isinstance(i, int) and i >= 0}
+        self.pad_id = tok.pad_token_id if tok.pad_token_id is not None else min(self.end_ids)
+        marker = "\x00REQUEST\x00"
+        rendered = self.render([{"role": "user", "content": marker}])
+        self.user_opening = rendered[: rendered.index(marker)]  # system turn + opening of a user turn
+
+    def render(self, messages: list[dict]) -> str:
+        return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False).input_ids
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(list(ids), skip_special_tokens=True)
+
+
+def magpie_requests(target: Target, rng: random.Random, seen: set, seed: int) -> list[str]:
+    """Requests the target writes itself, filtered and deduplicated against `seen`."""
+    openings = [rng.choice(prompts.OPENINGS) for _ in range(MAGPIE_CANDIDATES)]
+    starts = [target.encode(target.user_opening + o) for o in openings]
+    out = []
+    for opening, s in zip(openings, sample(target.model, starts, 96, target.end_ids, target.pad_id,
+                                           temperature=0.8, top_p=0.95, seed=seed)):
+        if not s.ended:
+            continue
+        text = (opening + target.decode(s.tokens)).strip()
+        key = prompts.dedup_key(text)
+        if prompts.acceptable_request(text) and key not in seen:
+            seen.add(key)
+            out.append(text)
+    return out
+
+
+def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[dict]) -> list[dict]:
+    """The requests of one round, each with its provenance."""
+    rng = random.Random(f"{seed}-{rnd}")
+    rows = [{"kind": "chat", "source": "magpie", "messages": [{"role": "user", "content": t}]}
+            for t in magpie_requests(target, rng, seen, seed * 100003 + rnd)[: MIX["magpie"]]]
+    parents = [r for r in previous if len(r["answer"]) >= 16 and not looping(r["answer"]) and r["source"] != "followup"]
+    for parent in rng.sample(parents, min(MIX["followup"], len(parents))):
+        rows.append({"kind": parent["kind"], "source": "followup", "parent": parent["id"],
+                     "followup": rng.choice(prompts.FOLLOWUPS)})
+    for _ in range(MIX["grounded"]):
+        ref = prompts.grounded_ref(rng)
+        if ref:
+            rows.append({"kind": "grounded", "source": ref["source"], "ref": ref})
+    for _ in range(MIX["define"]):
+        text = prompts.define_request(rng)
+        if text:
+            rows.append({"kind": "chat", "source": "wordnet", "messages": [{"role": "user", "content": text}]})
+    while len(rows) < BATCH:
+        kind, text = prompts.template_request(rng)
+        rows.append({"kind": kind, "source": "template", "messages": [{"role": "user", "content": text}]})
+    for i, row in enumerate(rows):
+        row["id"] = f"r{rnd:05d}-{i:02d}"
+    return rows
+
+
+def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_tokens: int = 320,
+        echo=print) -> None:
+    """Add rounds to `out` until its answers hold `answer_tokens` tokens."""
+    out.mkdir(parents=True, exist_ok=True)
+    done = shards.read_all(out)
+    by_id = {r["id"]: r for r in done}
+    seen = {prompts.dedup_key(r["messages"][0]["content"]) for r in done if r["source"] == "magpie"}
+    total = sum(len(r["answer"]) for r in done)
+    rnd = len(list(out.glob("shard-*.npz")))
+    previous = [r for r in done if r["id"].startswith(f"r{rnd - 1:05d}-")]
+    start, made = time.perf_counter(), 0
+    while total < answer_tokens:
+        rows = plan_round(target, rnd, seed, seen, previous)
+        prompts_ids = [target.encode(target.render(shards.messages(r, by_id, target.decode))) for r in rows]
+        for row, s in zip(rows, sample(target.model, prompts_ids, max_new_tokens, target.end_ids, target.pad_id,
+                                       temperature=0.7, top_p=0.95, seed=seed * 100003 + rnd + 50000)):
+            row.update(answer=s.tokens, greedy=s.greedy, ended=s.ended)
+        shards.write(out / f"shard-{rnd:05d}.npz", rows)
+        by_id.update({r["id"]: r for r in rows})
+        previous, rnd = rows, rnd + 1
+        added = sum(len(r["answer"]) for r in rows)
+        total, made = total + added, made + added
+        rate = made / (time.perf_counter() - start)
+        echo(f"round {rnd}: {len(rows)} answers ({sum(r['source'] == 'magpie' for r in rows)} self-written requests), "
+             f"{total} answer tokens of {answer_tokens}, {rate:.0f} tok/s, "
+             f"ETA {(answer_tokens - total) / max(rate, 1e-9) / 60:.0f} min")

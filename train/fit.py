@@ -1,0 +1,284 @@
+"""Fit a DFlash drafter to the campaign's data (see objective.py for the loss).
+
+The target's tap features and its top-k distribution at every position come from one
+teacher-forced forward per sequence, kept in memory-mapped files in a local cache folder
+(recomputable, never committed); building the cache and fitting both resume after an
+interruption.  The target (embedding, lm_head, taps) stays frozen.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import numpy as np
+
+from . import shards
+from .objective import block_logits, label_rows, position_weights, sample_anchors, soft_loss
+
+SOFT_K = 16  # soft labels kept per position: the target's 16 most likely draft-vocabulary tokens
+
+
+def load_sequences(folders, target) -> list[dict]:
+    """Every shard row as {id, kind, source, prompt, answer} token ids, prompts rebuilt with
+    the target's chat template from the row's provenance."""
+    rows = [r for folder in folders for r in shards.read_all(folder)]
+    if not rows:
+        raise FileNotFoundError(f"no shards in {', '.join(map(str, folders))}: run `dflash-train data` first")
+    by_id = {r["id"]: r for r in rows}
+    out = []
+    for r in rows:
+        if len(r["answer"]) < 2:
+            continue
+        prompt = target.encode(target.render(shards.messages(r, by_id, target.decode)))
+        out.append({"id": r["id"], "kind": r["kind"], "source": r["source"], "prompt": prompt, "answer": r["answer"]})
+    return out
+
+
+def draft_vocabulary(rows, size: int, vocab: int):
+    """The `size` most frequent tokens of the answers and prompts (EAGLE-3's reduced
+    vocabulary), ascending ids."""
+    import torch
+
+    counts = torch.zeros(vocab, dtype=torch.long)
+    for r in rows:
+        counts += torch.bincount(torch.tensor(r["answer"] + r["prompt"]), minlength=vocab)
+    return torch.sort(torch.topk(counts, min(size, vocab)).indices).values
+
+
+class LabelCache:
+    """Per token of every sequence: the target's tap features (fp16) and its top-k
+    distribution over the draft vocabulary (ids in draft space, probabilities of the full
+    softmax), in memory-mapped files under `folder`."""
+
+    def __init__(self, folder: Path, rows, taps, hidden: int, d2t=None):
+        self.folder, self.taps, self.d2t = Path(folder), list(taps), d2t
+        lengths = [len(r["prompt"]) + len(r["answer"]) for r in rows]
+        self.offsets = np.cumsum([0] + lengths)
+        key = hashlib.sha256(json.dumps([[r["id"], n] for r, n in zip(rows, lengths)] + [self.taps] + (
+            d2t.tolist() if d2t is not None else [])).encode()).hexdigest()[:16]
+        self.folder.mkdir(parents=True, exist_ok=True)
+        state_file = self.folder / "state.json"
+        state = json.loads(state_file.read_text()) if state_file.is_file() else {}
+        fresh = state.get("key") != key
+        total = int(self.offsets[-1])
+        mode = "w+" if fresh else "r+"
+        self.features = np.lib.format.open_memmap(self.folder / "features.npy", mode, np.float16,
+                                                  (total, len(self.taps) * hidden))
+        self.soft_ids = np.lib.format.open_memmap(self.folder / "soft_ids.npy", mode, np.int32, (total, SOFT_K))
+        self.soft_p = np.lib.format.open_memmap(self.folder / "soft_p.npy", mode, np.float16, (total, SOFT_K))
+        self.state_file, self.key = state_file, key
+        self.done = 0 if fresh else state.get("done", 0)
+
+    def build(self, model, rows, echo=print) -> None:
+        """Run the target over every sequence not cached yet (resumable)."""
+        import torch
+
+        start, first = time.perf_counter(), self.done
+        with torch.inference_mode():
+            for i in range(self.done, len(rows)):
+                ids = rows[i]["prompt"] + rows[i]["answer"]
+                out = model(torch.tensor([ids]), output_hidden_states=True)
+                lo, hi = self.offsets[i], self.offsets[i + 1]
+                # tap id t is the OUTPUT of decoder layer t: hidden_states[t + 1]
+                self.features[lo:hi] = torch.cat([out.hidden_states[t + 1][0] for t in self.taps], -1).half().numpy()
+                probs = torch.softmax(out.logits[0].float(), -1)
+                if self.d2t is not None:
+                    probs = probs[:, self.d2t]
+                top = probs.topk(SOFT_K, dim=-1)
+                self.soft_ids[lo:hi] = top.indices.numpy()
+                self.soft_p[lo:hi] = top.values.half().numpy()
+                if (i + 1) % 50 == 0 or i + 1 == len(rows):
+                    self._save(i + 1)
+                    rate = (self.offsets[i + 1] - self.offsets[first]) / (time.perf_counter() - start)
+                    echo(f"  target labels: {i + 1}/{len(rows)} sequences, {rate:.0f} tok/s, "
+                         f"ETA {(self.offsets[-1] - self.offsets[i + 1]) / rate / 60:.0f} min")
+
+    def _save(self, done: int) -> None:
+        for array in (self.features, self.soft_ids, self.soft_p):
+            array.flush()
+        self.done = done
+        self.state_file.write_text(json.dumps({"key": self.key, "done": done}))
+
+    def sequence(self, i: int):
+        """(features [L, T*H] float32, soft ids [L, K], soft probs [L, K]) of sequence i."""
+        import torch
+
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        return (torch.from_numpy(np.asarray(self.features[lo:hi], np.float32)),
+                torch.from_numpy(np.asarray(self.soft_ids[lo:hi], np.int64)),
+                torch.from_numpy(np.asarray(self.soft_p[lo:hi])))
+
+
+def block_labels(cache: LabelCache, i: int, anchors, block: int):
+    """Soft labels [n, B-1, K] (ids, probs) and which block positions have one."""
+    import torch
+
+    _, ids, probs = cache.sequence(i)
+    rows = label_rows(anchors, block, len(ids))
+    valid = rows >= 0
+    return ids[rows.clamp(min=0)], probs[rows.clamp(min=0)], valid.float()
+
+
+def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
+          minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
+          echo=print) -> dict:
+    """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`."""
+    import torch
+
+    from dflash.export.dflash import DFlashConfig, DFlashDrafter
+
+    from .data import Target
+
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    torch.manual_seed(seed)
+    rng = random.Random(seed)
+    target = target_source.model.eval()
+    for p in target.parameters():
+        p.requires_grad_(False)
+    rows = load_sequences(data_dirs, Target(target_source))
+    tc = target.config
+    d2t = draft_vocabulary(rows, draft_vocab, tc.vocab_size) if draft_vocab else None
+    cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t)
+    cache.build(target, rows, echo)
+    held = max(1, len(rows) // 20)  # the newest 5% of sequences are held out for the acceptance estimate
+    train_ids, held_ids = list(range(len(rows) - held)), list(range(len(rows) - held, len(rows)))
+    config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id))
+    drafter = DFlashDrafter(config)
+    _init(drafter, seed)
+    embed = target.get_input_embeddings().weight.detach().float()
+    lm_head = target.lm_head.weight.detach().float().t().contiguous()
+    if d2t is not None:
+        lm_head = lm_head[:, d2t].contiguous()
+    cos, sin = config.rotary_tables(max(len(r["prompt"]) + len(r["answer"]) for r in rows) + block + 1)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.01)
+    state = {"step": 0, "seconds": 0.0, "history": []}
+    checkpoint = out / "checkpoint.pt"
+    if resume and checkpoint.is_file():
+        saved = torch.load(checkpoint, weights_only=False)
+        drafter.load_state_dict(saved["drafter"])
+        optimizer.load_state_dict(saved["optimizer"])
+        state = saved["state"]
+        rng.setstate(saved["rng"])
+        echo(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
+    weights = position_weights(block)
+    budget = minutes * 60
+    last_eval = time.perf_counter()
+    while state["seconds"] < budget and (max_steps is None or state["step"] < max_steps):
+        start = time.perf_counter()
+        i = rng.choice(train_ids)
+        tokens = torch.tensor(rows[i]["prompt"] + rows[i]["answer"])
+        picked = sample_anchors(len(rows[i]["prompt"]), len(tokens), anchors, rng)
+        for group in optimizer.param_groups:  # warm-up, then cosine over the time budget
+            progress = state["seconds"] / budget
+            group["lr"] = lr * min(1.0, (state["step"] + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(progress, 1)))
+        features = cache.sequence(i)[0]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin)
+        label_ids, label_p, valid = block_labels(cache, i, picked, block)
+        loss = soft_loss(logits, label_ids, label_p, valid, weights)
+        optimizer.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+        optimizer.step()
+        state["step"] += 1
+        state["seconds"] += time.perf_counter() - start
+        if time.perf_counter() - last_eval > 120 or state["seconds"] >= budget or state["step"] == max_steps:
+            tau = held_out_tau(drafter, rows, cache, held_ids, embed, lm_head, cos, sin)
+            state["history"].append({"step": state["step"], "minutes": state["seconds"] / 60,
+                                     "loss": loss.item(), "tau": tau})
+            echo(f"  step {state['step']}, {state['seconds'] / 60:.1f}/{minutes:.0f} min, loss {loss.item():.3f}, "
+                 f"held-out tau {tau:.2f}")
+            save(drafter, config, d2t, out)
+            torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
+                        "rng": rng.getstate()}, checkpoint)
+            last_eval = time.perf_counter()
+    save(drafter, config, d2t, out)
+    _plot(state["history"], out / "training.png")
+    return state
+
+
+def _zlab_config(tc, manifest: dict, layers: int, block: int, mask_token_id: int) -> dict:
+    head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
+    return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": tc.hidden_size,
+            "num_hidden_layers": layers, "num_attention_heads": tc.num_attention_heads,
+            "num_key_value_heads": tc.num_key_value_heads, "head_dim": head_dim,
+            "intermediate_size": tc.intermediate_size, "rms_norm_eps": tc.rms_norm_eps,
+            "rope_theta": getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get(
+                "rope_theta", 10000.0),
+            "max_position_embeddings": tc.max_position_embeddings, "vocab_size": tc.vocab_size,
+            "block_size": block, "num_target_layers": tc.num_hidden_layers, "hidden_act": "silu",
+            "attention_bias": False, "tie_word_embeddings": False,
+            "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": manifest["taps"]}}
+
+
+def _init(drafter, seed: int) -> None:
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    for name, p in drafter.named_parameters():
+        if p.dim() == 2:
+            with torch.no_grad():
+                p.copy_(torch.randn(p.shape, generator=g) * 0.02)
+
+
+def held_out_tau(drafter, rows, cache: LabelCache, held_ids, embed, lm_head, cos, sin, per_sequence: int = 16):
+    """Simulated greedy acceptance on held-out sequences: a draft at block position k is
+    accepted while it equals the target's argmax at that position (given the data's prefix).
+    tau = 1 + mean accepted.  Only an estimate: `dflash-train eval` measures through the runtime."""
+    import torch
+
+    rng = random.Random(1234)
+    block = drafter.config.block_size
+    accepted = []
+    with torch.no_grad():
+        for i in held_ids:
+            tokens = torch.tensor(rows[i]["prompt"] + rows[i]["answer"])
+            picked = sample_anchors(len(rows[i]["prompt"]), len(tokens), per_sequence, rng)
+            drafts = block_logits(drafter, cache.sequence(i)[0], tokens, picked, embed, lm_head, cos, sin).argmax(-1)
+            label_ids, _, valid = block_labels(cache, i, picked, block)
+            match = (drafts == label_ids[..., 0]) & (valid > 0)
+            accepted += match.int().cumprod(-1).sum(-1).tolist()
+    return 1 + sum(accepted) / max(len(accepted), 1)
+
+
+def save(drafter, config, d2t, out: Path) -> None:
+    """The drafter as a z-lab-layout folder: config.json + model.safetensors."""
+    from safetensors.torch import save_file
+
+    import torch
+
+    # bf16 like the published checkpoints: half the size, and the loader runs it in fp32
+    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
+    if d2t is not None:
+        state["d2t"] = d2t.contiguous()
+    (out / "config.json").write_text(json.dumps(config.raw, indent=1))
+    save_file(state, str(out / "model.safetensors"))
+
+
+def _plot(history: list[dict], path: Path) -> None:
+    if not history:
+        return
+    try:
+        import matplotlib
+    except ImportError:
+        return
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    minutes = [h["minutes"] for h in history]
+    ax.plot(minutes, [h["loss"] for h in history], color="#3b7dd8", label="loss")
+    ax.set_xlabel("training minutes")
+    ax.set_ylabel("loss")
+    other = ax.twinx()
+    other.plot(minutes, [h["tau"] for h in history], color="#d8643b", label="held-out tau")
+    other.set_ylabel("held-out tau (tokens per step)")
+    fig.legend(loc="upper center", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
