@@ -125,6 +125,10 @@ class TargetGraph(torch.nn.Module):
         self.register_buffer("cos", cos)
         self.register_buffer("sin", sin)
 
+    def project(self, x):
+        """The lm_head product (a method, so the export check can swap in a quantized reference)."""
+        return x @ self.lm_head
+
     def forward(self, input_ids, position_ids, tree_mask, past_len, *caches):
         io = CacheIO(caches, past_len, tree_mask)
         hidden = self.embed(input_ids)
@@ -135,7 +139,7 @@ class TargetGraph(torch.nn.Module):
             x, hidden = layer(x, hidden, position_ids, self.cos, self.sin, io, i, next_norm)
             if i in self.taps:
                 tapped.append(hidden)
-        logits = x @ self.lm_head
+        logits = self.project(x)
         if self.lm_head_bias is not None:
             logits = logits + self.lm_head_bias
         presents = [t for pair in zip(io.key_out, io.value_out) for t in pair]

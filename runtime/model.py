@@ -129,8 +129,7 @@ class Model:
                              "re-export it with `dflash-export target SRC --attention custom`")
         if name not in self.drafters:
             raise ValueError(f"this bundle has no drafter {name!r} (it has: {', '.join(self.drafters)}); "
-                             "add a draft model with `dflash-export draft-lm SRC --target "
-                             f"{self.bundle.folder}` or `dflash-export draft-lm --self int4 --target ...`")
+                             + self._how_to_add(name))
         if draft_len is not None and not 0 <= draft_len:
             raise ValueError(f"draft_len must be >= 0 or None (adaptive); got {draft_len}")
         key = (name, draft_len)
@@ -153,6 +152,18 @@ class Model:
                 model = self._draft_model(name.removesuffix("-tree"))
                 self._drafters[key] = ModelDrafter(policy, model, tree)
         return self._drafters[key]
+
+    def _how_to_add(self, name: str) -> str:
+        """The export command that adds the drafter `name` to this bundle."""
+        folder = self.bundle.folder
+        if name.startswith("dflash"):
+            return (f"add a DFlash drafter with `dflash-export drafter default --target {folder}` (the default "
+                    f"model's trained drafter) or `dflash-export drafter DRAFTER_FOLDER --target {folder}`")
+        if name.startswith("self-"):
+            dtype = name.removeprefix("self-").removesuffix("-tree")
+            return f"add it with `dflash-export draft-lm --self {dtype} --target {folder}`"
+        return (f"add a draft model with `dflash-export draft-lm SRC --target {folder}` or "
+                f"`dflash-export draft-lm --self int4 --target {folder}`")
 
     def _draft_model(self, name: str) -> Target:
         if name not in self._draft_models:

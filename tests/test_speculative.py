@@ -238,6 +238,8 @@ def test_unknown_drafter_is_refused_with_the_list(tiny):
     model = Model(tiny("llama")[0])
     with pytest.raises(ValueError, match="no drafter 'self-int4'.*lookup.*dflash-export draft-lm"):
         model.generate("the", max_new_tokens=4, drafter="self-int4")
+    with pytest.raises(ValueError, match="no drafter 'dflash-hybrid'.*`dflash-export drafter default --target"):
+        model.generate("the", max_new_tokens=4, drafter="dflash-hybrid")
 
 
 def test_draft_model_with_another_tokenizer_is_refused(spec_bundle, tmp_path):

@@ -108,3 +108,32 @@ def test_taps_are_the_tapped_layers_outputs(tiny):
         hidden = AutoModelForCausalLM.from_pretrained(hf)(torch.tensor([ids]), output_hidden_states=True).hidden_states
     expected = torch.cat([hidden[i + 1][0] for i in model.bundle.taps], dim=-1).numpy()  # id i = output of layer i
     np.testing.assert_allclose(taps, expected, atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", ["int4", "int8"])
+def test_export_check_fails_on_a_corrupted_quantized_weight(tiny, tmp_path, dtype):
+    """The quantized export's check compares against the source weights quantized independently,
+    so a wrong quantized weight in the graph fails it (it passes on the graph as exported)."""
+    import shutil
+
+    import onnx
+    from onnx import numpy_helper
+
+    from dflash.export import sources
+    from dflash.export.check import check_target
+
+    bundle, hf = tiny("llama", dtype=dtype)
+    info = Model(bundle).bundle
+    assert info.export_check["passed"] and info.export_check["logits"] <= info.export_check["logits_bound"]
+    broken = tmp_path / "broken"
+    shutil.copytree(bundle, broken)
+    graph = broken / info.graphs["target"]["file"]
+    model = onnx.load(str(graph))
+    packed = next(t for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8)
+    values = numpy_helper.to_array(packed).copy()
+    values.reshape(-1)[: values.size // 4] ^= 0x11  # every 4-bit group of a quarter of one weight off by one
+    packed.CopyFrom(numpy_helper.from_array(values, packed.name))
+    (broken / (graph.name + ".data")).unlink()
+    onnx.save(model, str(graph), save_as_external_data=True, location=graph.name + ".data")
+    result = check_target(sources.load(str(hf)).model, info.taps, broken)
+    assert not result["passed"] and result["logits"] > result["logits_bound"]

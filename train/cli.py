@@ -18,6 +18,9 @@ import click
 @click.group()
 def main():
     """Train a drafter for an exported target (the target stays frozen)."""
+    from dflash.export.cli import quiet_libraries
+
+    quiet_libraries()
 
 
 def load_target(bundle):
