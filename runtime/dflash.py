@@ -25,6 +25,11 @@ from .speculative import Draft, accepted_along
 
 
 class DrafterSession:
+    """The DFlash drafter graph behind IOBinding: every input and output is bound once per
+    context length to numpy memory allocated once, and its KV cache is updated in place."""
+
+    MAX_CONTEXT = 64  # context rows per call; more (a prompt's) are fed in chunks of this size
+
     def __init__(self, bundle: Bundle, threads: int | None = None, cores: list[int] | None = None):
         info = bundle.manifest["dflash"]
         self.cores = set(cores) if cores else None
@@ -41,28 +46,53 @@ class DrafterSession:
         self.top_logprobs = np.zeros((1, self.block - 1, top_k), np.float32)
         self.top_ids = np.zeros((1, self.block - 1, top_k), np.int64)
         self.width = len(bundle.taps) * bundle.hidden_size
-        self._masks: dict[int, np.ndarray] = {}
+        rows = self.MAX_CONTEXT + self.block
+        self._context = np.zeros((1, self.MAX_CONTEXT, self.width), np.float32)
+        self._block_ids = np.full((1, self.block), self.mask_id, np.int64)
+        self._positions = np.zeros((1, rows), np.int64)
+        self._mask = np.ones((rows, rows), np.bool_)  # every row sees every new row (block rows are non-causal)
+        self._past = np.zeros((), np.int64)
+        self._bindings: dict[int, ort.IOBinding] = {}
+
+    def _binding(self, n: int) -> ort.IOBinding:
+        """The binding for calls with N context rows, made once per N and reused."""
+        binding = self._bindings.get(n)
+        if binding is None:
+            binding = self.session.io_binding()
+            rows = n + self.block
+            value = ort.OrtValue.ortvalue_from_numpy
+            binding.bind_ortvalue_input("context", value(self._context[:, :n]))
+            binding.bind_ortvalue_input("block_ids", value(self._block_ids))
+            binding.bind_ortvalue_input("position_ids", value(self._positions[:, :rows]))
+            binding.bind_ortvalue_input("attention_mask", value(np.ascontiguousarray(self._mask[:rows, :rows])))
+            binding.bind_ortvalue_input("past_len", value(self._past))
+            for i, cache in enumerate(self._cache_values):
+                kind, layer = ("key", "value")[i % 2], i // 2
+                binding.bind_ortvalue_input(f"past_{kind}_{layer}", cache)
+                binding.bind_ortvalue_output(f"present_{kind}_{layer}", cache)
+            for name in ("logits", "top_logprobs", "top_ids"):
+                binding.bind_ortvalue_output(name, value(getattr(self, name)))
+            self._bindings[n] = binding
+        return binding
 
     def run(self, context: np.ndarray, anchor: int, past: int) -> tuple[np.ndarray, np.ndarray]:
         """Context rows [N, T*H] at positions past..past+N-1, the anchor right after them:
         (log-probs, ids) [B-1, K] of the likeliest tokens at block positions 1..B-1."""
-        n, b = len(context), self.block
-        binding = self.session.io_binding()
-        rows = n + b
-        mask = self._masks.setdefault(rows, np.ones((rows, rows), np.bool_))
-        binding.bind_cpu_input("context", np.ascontiguousarray(context, np.float32).reshape(1, n, self.width))
-        binding.bind_cpu_input("block_ids", np.array([[anchor] + [self.mask_id] * (b - 1)], np.int64))
-        binding.bind_cpu_input("position_ids", np.arange(past, past + rows, dtype=np.int64)[None])
-        binding.bind_cpu_input("attention_mask", mask)
-        binding.bind_cpu_input("past_len", np.array(past, np.int64))
-        for i, value in enumerate(self._cache_values):
-            kind, layer = ("key", "value")[i % 2], i // 2
-            binding.bind_ortvalue_input(f"past_{kind}_{layer}", value)
-            binding.bind_ortvalue_output(f"present_{kind}_{layer}", value)
-        for name in ("logits", "top_logprobs", "top_ids"):
-            binding.bind_ortvalue_output(name, ort.OrtValue.ortvalue_from_numpy(getattr(self, name)))
-        run_pinned(self.session, binding, self.cores)
+        context = np.asarray(context, np.float32).reshape(-1, self.width)
+        while len(context) > self.MAX_CONTEXT:  # a long context: its leading rows only fill the cache
+            self._run(context[: self.MAX_CONTEXT], anchor, past)
+            context, past = context[self.MAX_CONTEXT:], past + self.MAX_CONTEXT
+        self._run(context, anchor, past)
         return self.top_logprobs[0], self.top_ids[0]
+
+    def _run(self, context: np.ndarray, anchor: int, past: int) -> None:
+        n = len(context)
+        binding = self._binding(n)
+        self._context[0, :n] = context
+        self._block_ids[0, 0] = anchor
+        self._positions[0, : n + self.block] = np.arange(past, past + n + self.block)
+        self._past[...] = past
+        run_pinned(self.session, binding, self.cores)
 
 
 class DFlashDrafter(Drafter):

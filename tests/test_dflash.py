@@ -70,7 +70,8 @@ def reference_for(bundle, drafter_folder):
 
 @pytest.mark.parametrize("which", ["qwen3", "default"])
 def test_ort_drafter_equals_torch_reference(which, request):
-    """A run of steps as the loop makes them: the prompt's rows, then 1, B, 0 and 3 new rows."""
+    """A run of steps as the loop makes them: the prompt's rows (more than one call's worth, so
+    they are fed in chunks), then 1, B, 0, 3 and 20 new rows."""
     fixture = request.getfixturevalue(f"{which}_dflash")
     bundle, drafter_folder = fixture[0], fixture[-1]
     model = Model(bundle)
@@ -79,7 +80,8 @@ def test_ort_drafter_equals_torch_reference(which, request):
     rng = np.random.default_rng(0)
     width = len(config.target_layer_ids) * config.hidden_size
     past = 0
-    for n in (20, 1, BLOCK, 0, 3):
+    assert DrafterSession.MAX_CONTEXT < 100
+    for n in (100, 1, BLOCK, 0, 3, 20):
         features = rng.standard_normal((n, width)).astype(np.float32)
         anchor = int(rng.integers(0, config.vocab_size))
         session.run(features, anchor, past)
