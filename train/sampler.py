@@ -26,6 +26,39 @@ def looping(tokens: list[int]) -> bool:
     return len(tokens) >= LOOP_WINDOW and len(set(tokens[-LOOP_WINDOW:])) <= LOOP_DISTINCT
 
 
+def _preallocated_cache(layers: int, capacity: int):
+    """A transformers DynamicCache whose layers append into buffers with room for `capacity` rows:
+    the stock layer concatenates its whole cache every step (a third of a batched step here)."""
+    from transformers import DynamicCache
+    from transformers.cache_utils import DynamicLayer
+
+    class Layer(DynamicLayer):
+        def lazy_initialization(self, key_states, value_states):
+            super().lazy_initialization(key_states, value_states)
+            b, h, _, d = key_states.shape
+            self.buffers = (key_states.new_empty(b, h, capacity, d), value_states.new_empty(b, h, capacity, d))
+            self.length = 0
+
+        def update(self, key_states, value_states, *args, **kwargs):
+            if not self.is_initialized:
+                self.lazy_initialization(key_states, value_states)
+            end = self.length + key_states.shape[-2]
+            self.buffers[0][:, :, self.length:end] = key_states
+            self.buffers[1][:, :, self.length:end] = value_states
+            self.length = end
+            self.keys, self.values = (b[:, :, :end] for b in self.buffers)
+            return self.keys, self.values
+
+        def batch_select_indices(self, indices):
+            if self.is_initialized:
+                self.buffers = tuple(b[indices] for b in self.buffers)
+                self.keys, self.values = (b[:, :, :self.length] for b in self.buffers)
+
+    cache = DynamicCache()
+    cache.layers = [Layer() for _ in range(layers)]
+    return cache
+
+
 def _pick(logits, temperature: float, top_p: float, generator):
     import torch
 
@@ -43,7 +76,6 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, end_ids: set[in
            temperature: float = 0.7, top_p: float = 0.95, seed: int = 0) -> list[Sampled]:
     """Sample an answer to every prompt (token ids, chat template applied) in one batch."""
     import torch
-    from transformers import DynamicCache
 
     generator = torch.Generator().manual_seed(seed)
     width = max(len(p) for p in prompts)
@@ -54,8 +86,8 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, end_ids: set[in
         mask[r, width - len(p):] = 1
     positions = (mask.cumsum(-1) - 1).clamp(min=0)
     results = [Sampled([], [], False) for _ in prompts]
-    live = list(range(len(prompts)))  # result row of each batch row
-    cache = DynamicCache()
+    cache = _preallocated_cache(model.config.num_hidden_layers, width + max_new_tokens)
+    live = list(range(len(prompts)))  # result row of each batch row; None once it has finished
     with torch.inference_mode():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, past_key_values=cache,
                        use_cache=True).logits[:, -1].float()
@@ -63,18 +95,21 @@ def sample(model, prompts: list[list[int]], max_new_tokens: int, end_ids: set[in
         for _ in range(max_new_tokens):
             token = _pick(logits, temperature, top_p, generator)
             greedy = logits.argmax(-1)
-            keep = []
             for b, r in enumerate(live):
+                if r is None:
+                    continue
                 t = int(token[b])
                 results[r].tokens.append(t)
                 results[r].greedy.append(int(greedy[b]))
                 if t in end_ids:
                     results[r].ended = True
-                elif not looping(results[r].tokens):
-                    keep.append(b)
+                    live[b] = None
+                elif looping(results[r].tokens):
+                    live[b] = None
+            keep = [b for b, r in enumerate(live) if r is not None]
             if not keep:
                 break
-            if len(keep) < len(live):
+            if len(live) - len(keep) >= max(1, len(live) // 8):  # drop finished rows now and then, not every step
                 index = torch.tensor(keep)
                 cache.batch_select_indices(index)
                 token, mask, next_pos = token[index], mask[index], next_pos[index]
