@@ -111,7 +111,7 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     manifest = __import__("json").loads((tmp_path / "bundle" / "dflash.json").read_text())
     sequences = load_sequences([tmp_path / "data"], target)
     assert sequences[0]["prompt"] == target.encode(target.render(rows[0]["messages"]))
-    options = dict(layers=1, block=8, draft_vocab=120, minutes=5, anchors=8, echo=lambda m: None)
+    options = dict(layers=1, block=8, draft_vocab=120, minutes=5, anchors=8, text_tokens=100, echo=lambda m: None)
     first = train(source, manifest, [tmp_path / "data"], tmp_path / "drafter", tmp_path / "cache", max_steps=20,
                   **options)
     assert first["step"] == 20 and first["history"]

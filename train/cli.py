@@ -67,11 +67,13 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed):
 @click.option("--anchors", default=32, show_default=True, help="blocks per sequence and step")
 @click.option("--lr", default=6e-4, show_default=True)
 @click.option("--mask-token-id", default=0, show_default=True)
+@click.option("--text-tokens", default=0, show_default=True,
+              help="also label this many tokens of offline text (teacher-forced; see dflash/train/texts.py)")
 @click.option("--threads", default=0, help="torch threads (0: all cores)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
 def fit(bundle, data_dirs, out, cache_dir, layers, block, draft_vocab, minutes, anchors, lr, mask_token_id,
-        threads, seed, resume):
+        text_tokens, threads, seed, resume):
     """Fit a DFlash drafter with soft labels; checkpoints and a plot in OUT (see dflash/train/fit.py)."""
     import torch
 
@@ -85,7 +87,7 @@ def fit(bundle, data_dirs, out, cache_dir, layers, block, draft_vocab, minutes, 
     manifest, source = load_target(bundle)
     train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
-          seed=seed, resume=resume, echo=lambda m: click.echo(m, err=True))
+          seed=seed, resume=resume, text_tokens=text_tokens, echo=lambda m: click.echo(m, err=True))
 
 
 @main.command("eval")

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
-from . import shards
+from . import shards, texts
 from .objective import block_logits, label_rows, position_weights, sample_anchors, soft_loss
 
 SOFT_K = 16  # soft labels kept per position: the target's 16 most likely draft-vocabulary tokens
@@ -37,6 +37,24 @@ def load_sequences(folders, target) -> list[dict]:
         prompt = target.encode(target.render(shards.messages(r, by_id, target.decode)))
         out.append({"id": r["id"], "kind": r["kind"], "source": r["source"], "prompt": prompt, "answer": r["answer"]})
     return out
+
+
+def text_sequences(target, tokens: int, seed: int = 0, length: int = 384) -> list[dict]:
+    """About `tokens` tokens of offline text (texts.py) in sequences of `length` tokens, for
+    teacher-forced labelling: the target's distribution at every position is a label, whatever
+    wrote the text.  Paragraphs are drawn in a seeded order from every source."""
+    paragraphs = [p for source in texts.SOURCES for p in texts.paragraphs(source)]
+    random.Random(seed).shuffle(paragraphs)
+    rows, current, made = [], [], 0
+    for paragraph in paragraphs:
+        if made >= tokens:
+            break
+        current += target.encode(paragraph + "\n\n")
+        if len(current) >= length:
+            rows.append({"id": f"text{len(rows):06d}", "kind": "text", "source": "offline-text", "prompt": [],
+                         "answer": current[:length]})
+            made, current = made + length, []
+    return rows
 
 
 def draft_vocabulary(rows, size: int, vocab: int):
@@ -126,7 +144,7 @@ def block_labels(cache: LabelCache, i: int, anchors, block: int):
 
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
-          echo=print) -> dict:
+          text_tokens=0, echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`."""
     import torch
 
@@ -141,7 +159,9 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     target = target_source.model.eval()
     for p in target.parameters():
         p.requires_grad_(False)
-    rows = load_sequences(data_dirs, Target(target_source))
+    tokenizer = Target(target_source)
+    # offline text first: the held-out sequences are the newest answers (the last ones)
+    rows = text_sequences(tokenizer, text_tokens, seed) + load_sequences(data_dirs, tokenizer)
     tc = target.config
     d2t = draft_vocabulary(rows, draft_vocab, tc.vocab_size) if draft_vocab else None
     cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t)
