@@ -156,3 +156,14 @@ def test_missing_data_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(main, ["fit", "--target", str(tmp_path), "--data", str(tmp_path / "empty"),
                                        "--out", str(tmp_path / "out")])
     assert result.exit_code != 0 and "run `dflash-train data` first" in result.output
+
+
+def test_suffix_corpus_drafts_the_majority_continuation_and_saves_steps():
+    from dflash.train.copying import SuffixCorpus, simulate
+
+    corpus = SuffixCorpus([[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 5, 7], [8, 2, 3, 4, 5, 6]])
+    assert corpus.draft([0, 0, 2, 3]) == [4, 5, 6]  # 6 follows twice, 7 once
+    assert corpus.draft([0, 0, 11]) == []
+    answer = [2, 3, 4, 5, 6]
+    assert simulate([0], answer, None) == 5  # nothing to copy: one token a step
+    assert simulate([0], answer, corpus) < 5

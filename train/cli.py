@@ -111,5 +111,39 @@ def evaluate(bundle, prompts, max_new_tokens, drafter_name):
     click.echo("tau by prompt kind: " + ", ".join(f"{kind} {tau(h):.2f}" for kind, h in sorted(result["by_kind"].items())))
 
 
+@main.command()
+@click.option("--bundle", required=True, type=click.Path(exists=True), help="the target bundle")
+@click.option("--data", "data_dirs", required=True, multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="shard folder(s) whose answers form the corpus")
+@click.option("--prompts", type=click.Path(exists=True), help="held-out prompts (default: the benchmark set)")
+@click.option("--max-new-tokens", default=128, show_default=True)
+@click.option("--json", "json_out", type=click.Path(path_type=Path))
+def copying(bundle, data_dirs, prompts, max_new_tokens, json_out):
+    """Simulate whether drafting from a corpus of the target's earlier answers (SuffixDecoding)
+    adds acceptance over prompt lookup on held-out prompts (see dflash/train/copying.py)."""
+    from dflash.bench.prompts import BENCHMARK, load_prompts
+    from dflash.runtime import Model
+
+    from . import shards
+    from .copying import SuffixCorpus, measure
+
+    answers = [r["answer"] for d in data_dirs for r in shards.read_all(d)]
+    corpus = SuffixCorpus(answers)
+    model = Model(bundle)
+    held_out = []
+    for row in load_prompts(prompts or BENCHMARK):
+        kwargs = {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
+        result = model.generate(max_new_tokens=max_new_tokens, **kwargs)
+        held_out.append({"kind": row.get("kind", "all"), "prompt": model.encode(**kwargs), "answer": result.tokens})
+    tokens = sum(map(len, answers))
+    report = {"corpus_tokens": tokens, "tau": measure(held_out, corpus)}
+    click.echo(f"corpus: {len(answers)} answers, {tokens} tokens")
+    for kind, t in report["tau"].items():
+        click.echo(f"  {kind}: lookup tau {t['lookup']:.2f}, lookup+suffix {t['lookup+suffix']:.2f} "
+                   f"(+{t['lookup+suffix'] - t['lookup']:.2f})")
+    if json_out:
+        json_out.write_text(json.dumps(report, indent=1))
+
+
 if __name__ == "__main__":
     sys.exit(main())
