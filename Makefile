@@ -44,7 +44,7 @@ test: ops ops/build-asan/libdflash_ops.so
 	DFLASH_OPS_ASAN_LIB=$(CURDIR)/ops/build-asan/libdflash_ops.so $(BIN)/python -m pytest -q -p no:cacheprovider
 
 bench: ops $(BUNDLE)/dflash.json
-	$(BIN)/dflash-bench generate --bundle $(BUNDLE) --prompts ../shared/eval/prompts.jsonl \
+	$(BIN)/dflash-bench generate --bundle $(BUNDLE) \
 		--max-new-tokens 128 --modes ar --hf --json bench.json
 
 clean:

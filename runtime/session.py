@@ -10,6 +10,14 @@ import onnxruntime as ort
 from .bundle import Bundle, BundleError
 
 
+def parse_cores(text: str | None) -> list[int] | None:
+    """"0,1" -> [0, 1]; None or "" -> None."""
+    try:
+        return [int(c) for c in text.split(",")] if text else None
+    except ValueError:
+        raise ValueError(f"give core ids like 0 or 0,1; got {text!r}") from None
+
+
 def make_session(path, bundle: Bundle, threads: int | None = None,
                  cores: list[int] | None = None) -> ort.InferenceSession:
     """A session on `threads` intra-op threads (default: one per usable core).

@@ -56,7 +56,7 @@ def main(bundle, prompt, raw, system, max_new_tokens, temperature, top_k, top_p,
          draft_len, threads, target_cores, draft_cores, stats, compare):
     """Generate with a dflash bundle on ONNX Runtime."""
     from dflash.runtime import BundleError, Model
-    from dflash.runtime.bench import parse_cores
+    from dflash.runtime.session import parse_cores
 
     options = dict(max_new_tokens=max_new_tokens, temperature=temperature, top_k=top_k,
                    top_p=top_p, seed=seed, stop=list(stop), drafter=drafter, draft_len=draft_len)

@@ -7,7 +7,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_BUNDLE = ROOT / "bundles" / "smollm2"
-SHARED_PROMPTS = ROOT.parent / "shared" / "eval" / "prompts.jsonl"
+BENCHMARK_PROMPTS = ROOT / "bench" / "prompts" / "benchmark.jsonl"  # the project's own prompt set
 
 
 @pytest.fixture(scope="session")

@@ -12,7 +12,7 @@ PROMPTS = [
 
 
 def test_compare_tiny(spec_bundle, tmp_path, monkeypatch):
-    from dflash.runtime import compare as cmp
+    from dflash.bench import compare as cmp
 
     # llamacpp: the tiny bundle's source is a HF folder (no GGUF) -> a note; a peer whose
     # package is missing -> a note naming the extra, never an error
@@ -41,7 +41,7 @@ def test_compare_hf_peer(tiny, tmp_path):
     import pytest
 
     pytest.importorskip("transformers")
-    from dflash.runtime import compare as cmp
+    from dflash.bench import compare as cmp
 
     report = cmp.compare([str(tiny("llama")[0])], PROMPTS, "prompts.jsonl", 6, 1, ["hf"], tmp_path, None,
                          tmp_path / "plot.png")
@@ -53,7 +53,7 @@ def test_compare_hf_peer(tiny, tmp_path):
 
 
 def test_compare_command_registered():
-    from dflash.runtime.bench import main
+    from dflash.bench.cli import main
 
     result = CliRunner().invoke(main, ["compare", "--help"])
     assert result.exit_code == 0 and "--peers" in result.output

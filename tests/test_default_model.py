@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-from conftest import SHARED_PROMPTS
+from conftest import BENCHMARK_PROMPTS
 from dflash.runtime import Model
 
 pytestmark = pytest.mark.e2e
@@ -16,7 +16,7 @@ def test_greedy_matches_transformers_on_the_same_gguf(default_bundle):
 
     model = Model(default_bundle)
     source = load("default")  # transformers' own loading of the same GGUF
-    rows = [json.loads(line) for line in SHARED_PROMPTS.read_text().splitlines()][:3]
+    rows = [json.loads(line) for line in BENCHMARK_PROMPTS.read_text().splitlines()][:3]
     for row in rows:
         ids = model.encode(messages=row["messages"])
         expected_ids = source.tokenizer.apply_chat_template(row["messages"], add_generation_prompt=True,

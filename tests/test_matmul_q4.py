@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash.ops.bench_matmul import q4_model as one_node
+from dflash.ops.models import q4_model as one_node
 from dflash.ops.reference import matmul_q4, pack_q4, unpack_q4
 
 from test_ops import ORT_ERRORS, lib, session  # noqa: F401  (fixture and helpers)

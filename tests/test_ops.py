@@ -376,7 +376,7 @@ def test_constants():
 @pytest.mark.parametrize("layout", [(9, 3, 64), (32, 8, 128)], ids=lambda l: "x".join(map(str, l)))
 @pytest.mark.parametrize("kind", ["causal", "tree"])
 def test_gqa_and_onnx_attention_agree(lib, layout, kind):
-    from dflash.ops.bench import attention_output, make_inputs
+    from dflash.bench.attention import attention_output, make_inputs
 
     H, Hkv, D = layout
     S, past = 12, 50
@@ -393,7 +393,7 @@ def test_gqa_and_onnx_attention_agree(lib, layout, kind):
 
 
 def test_bench_attention_runs(lib):
-    from dflash.ops.bench import bench_attention
+    from dflash.bench.attention import bench_attention
 
     for impl in ("custom", "gqa", "onnx"):
         t = bench_attention(impl, S=4, past=32, threads=1, heads=4, kv_heads=2, head_dim=16, capacity=64, repeats=3)

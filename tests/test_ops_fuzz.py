@@ -213,7 +213,7 @@ def check_matmul_q4(rng, threads: int) -> str | None:
     import onnxruntime as ort
 
     import dflash.ops
-    from dflash.ops.bench_matmul import q4_model
+    from dflash.ops.models import q4_model
     from dflash.ops.reference import matmul_q4, pack_q4
 
     K, N, M = 32 * int(rng.integers(1, 33)), int(rng.integers(1, 100)), int(rng.integers(0, 71))

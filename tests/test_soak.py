@@ -4,8 +4,8 @@ import json
 
 from click.testing import CliRunner
 
-from dflash.runtime import bench
-from dflash.runtime.soak import soak
+from dflash.bench import cli as bench
+from dflash.bench.soak import soak
 
 MODES = ["ar", "lookup", "self-int8", "self-int8-tree", "draft-lm", "draft-lm-tree"]
 

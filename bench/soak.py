@@ -142,7 +142,7 @@ def soak(bundle, n: int, modes: list[str] | None = None, max_new_tokens: int = 6
     if growth > max_growth:
         problems.append(f"peak RSS grew {growth:.1f}% after warm-up ({after_warmup[0]:.0f} -> {end[0]:.0f} MiB), "
                         f"more than {max_growth}%")
-    from .bench import machine
+    from .common import machine
 
     return {
         "bundle": str(bundle), "n": n, "modes": modes, "max_new_tokens": max_new_tokens,

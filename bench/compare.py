@@ -1,7 +1,7 @@
 """`dflash-bench compare`: this runtime next to what users would pick instead, same weights and inputs.
 
     dflash-bench compare --bundle bundles/smollm2 --bundle bundles/smollm2-int4 \\
-        --prompts ../shared/eval/prompts.jsonl --max-new-tokens 128 --threads 2 \\
+        --max-new-tokens 128 --threads 2 \\
         --json out/compare.json --plot out/compare.png
 
 Rows, per runtime and mode (greedy everywhere, the same prompt token ids for every runtime: the
@@ -67,6 +67,8 @@ from pathlib import Path
 import click
 import numpy as np
 
+from .common import OrtRunner
+
 PEERS = ("ortgenai", "llamacpp", "hf")
 INSTALL = "pip install -e '.[compare]'"
 # onnxruntime-genai's n-gram settings: the example in its docs/SpeculativeDecoding.md.
@@ -105,17 +107,6 @@ def _timed(start: float, stamps: list[tuple[float, int]], tokens: list[int], ste
 
 # ---------------------------------------------------------------------------------------------
 # this project
-
-
-class OursRunner:
-    def __init__(self, model, mode: str):
-        self.model, self.drafter = model, None if mode == "ar" else mode
-
-    def __call__(self, ids, max_new_tokens) -> dict:
-        result = self.model.generate(input_ids=ids, max_new_tokens=max_new_tokens, drafter=self.drafter)
-        s = result.stats
-        return {"tokens": result.tokens, "prefill_s": s.prefill_ms / 1e3, "decode_s": s.decode_ms / 1e3,
-                "decode_tokens": len(result.tokens) - 1, "steps": s.steps}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -376,9 +367,9 @@ def setup_rows(bundles: list[str], threads: int, peers: list[str], peers_dir: Pa
     models = [Model(b, threads=threads) for b in bundles]
     for model in models:
         dtype = model.bundle.graphs["target"]["dtype"]
-        setup.rows.append(Row("dflash", "ar", dtype, OursRunner(model, "ar")))
+        setup.rows.append(Row("dflash", "ar", dtype, OrtRunner(model, "ar")))
         for mode in model.drafters:
-            setup.rows.append(Row("dflash", mode, dtype, OursRunner(model, mode), f"dflash ar {dtype}"))
+            setup.rows.append(Row("dflash", mode, dtype, OrtRunner(model, mode), f"dflash ar {dtype}"))
     for peer in peers:
         modules, package = PEER_SETUP[peer]
         missing = [m for m in modules if importlib.util.find_spec(m) is None]
@@ -421,7 +412,7 @@ def summarize(row: Row, runs: dict[str, dict], kinds: dict[str, str], reference:
 
 
 def compare(bundles, rows, prompts_path, max_new_tokens, threads, peers, peers_dir, json_out, plot_out):
-    from .bench import machine
+    from .common import machine
 
     peers_dir = Path(peers_dir)
     unknown = set(peers) - set(PEERS)

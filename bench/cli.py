@@ -1,15 +1,13 @@
 """`dflash-bench`: side-by-side measurements, interleaved in one run, reported as medians.
 
     dflash-bench generate --bundle bundles/smollm2 --bundle bundles/smollm2-int4 \\
-        --prompts ../shared/eval/prompts.jsonl --max-new-tokens 128 --modes ar --hf --json out.json
+        --max-new-tokens 128 --modes ar --hf --json out.json
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
-import platform
 import statistics
 import sys
 from pathlib import Path
@@ -17,105 +15,8 @@ from unittest.mock import patch
 
 import click
 
-
-def load_prompts(path) -> list[dict]:
-    rows = []
-    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
-        if not line.strip():
-            continue
-        row = json.loads(line)
-        if "id" not in row or ("messages" in row) == ("prompt" in row):
-            raise click.ClickException(f"{path}:{n}: a row needs an id and either messages or prompt")
-        rows.append(row)
-    return rows
-
-
-def machine() -> dict:
-    import onnxruntime
-
-    cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
-                if line.startswith("model name")), platform.processor())
-    return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "onnxruntime": onnxruntime.__version__, "date": datetime.date.today().isoformat()}
-
-
-class OrtRunner:
-    """Greedy generation with this project's runtime: mode "ar" (plain) or a drafter's name."""
-
-    def __init__(self, model, mode: str, draft_len: int | None = None):
-        self.model, self.draft_len = model, draft_len
-        self.drafter = None if mode == "ar" else mode
-
-    def __call__(self, row, max_new_tokens) -> dict:
-        kwargs = {"messages": row["messages"]} if "messages" in row else {"prompt": row["prompt"]}
-        result = self.model.generate(max_new_tokens=max_new_tokens, drafter=self.drafter,
-                                     draft_len=self.draft_len, **kwargs)
-        s = result.stats
-        return {"tokens": result.tokens, "decode_s": s.decode_ms / 1e3, "prefill_s": s.prefill_ms / 1e3,
-                "prompt_tokens": s.prompt_tokens, "steps": s.steps, "draft_ms": s.draft_ms,
-                "verify_ms": s.verify_ms, "accept_hist": s.accept_hist}
-
-
-class HfRunner:
-    """transformers' own greedy generate on the bundle's source weights, same thread count."""
-
-    def __init__(self, bundle, threads):
-        import torch
-
-        from dflash.export.sources import load
-        from dflash.runtime import load_bundle
-        from dflash.runtime.text import TextCodec
-
-        torch.set_num_threads(threads)
-        self.torch = torch
-        info = load_bundle(bundle)
-        self.source = load(info.source)
-        self.codec = TextCodec(info)  # the same tokenization as ours
-        self.eos = sorted(info.eos_token_ids)
-
-    def __call__(self, row, max_new_tokens) -> dict:
-        import time
-
-        ids = (self.codec.encode_chat(row["messages"]) if "messages" in row
-               else self.codec.encode_prompt(row["prompt"]))
-        inputs, eos = self.torch.tensor([ids]), self.eos
-        with self.torch.no_grad():
-            start = time.perf_counter()
-            self.source.model.generate(inputs, max_new_tokens=1, do_sample=False, eos_token_id=eos)
-            prefill = time.perf_counter() - start
-            start = time.perf_counter()
-            out = self.source.model.generate(inputs, max_new_tokens=max_new_tokens, do_sample=False,
-                                             eos_token_id=eos)
-            total = time.perf_counter() - start
-        tokens = out[0, len(ids):].tolist()
-        return {"tokens": tokens, "decode_s": max(total - prefill, 1e-9), "prefill_s": prefill,
-                "prompt_tokens": len(ids), "steps": len(tokens) - 1}
-
-
-def rate(run: dict) -> float:
-    """Decode tokens/s of one run: tokens after the first, per decode second."""
-    return (len(run["tokens"]) - 1) / run["decode_s"] if len(run["tokens"]) > 1 else float("nan")
-
-
-def summarize(runs: dict[str, dict]) -> dict:
-    """Medians over prompts; acceptance and per-step times summed over all steps."""
-    rates = [rate(r) for r in runs.values() if len(r["tokens"]) > 1]
-    prefill = [r["prompt_tokens"] / r["prefill_s"] for r in runs.values()]
-    steps = sum(r["steps"] for r in runs.values())
-    accepted = sum(len(r["tokens"]) - 1 for r in runs.values())
-    hist = [0] * max((len(r.get("accept_hist", [])) for r in runs.values()), default=0)
-    for r in runs.values():
-        for k, count in enumerate(r.get("accept_hist", [])):
-            hist[k] += count
-    tps = statistics.median(rates) if rates else 0.0
-    summary = {"tokens_per_s": tps, "decode_ms_per_token": 1e3 / tps if tps else None,
-               "prefill_tokens_per_s": statistics.median(prefill),
-               "mean_accept_len": accepted / steps if steps else 1.0}
-    if hist:
-        summary.update(accept_hist=hist, draft_ms_per_step=sum(r["draft_ms"] for r in runs.values()) / steps,
-                       verify_ms_per_step=sum(r["verify_ms"] for r in runs.values()) / steps)
-    summary["outputs"] = {pid: r["tokens"] for pid, r in runs.items()}
-    return summary
+from .common import HfRunner, OrtRunner, encode_row, load_prompts, machine, rate, summarize
+from .prompts import BENCHMARK
 
 
 def speedups_by_kind(rows, results, mode: str, base: str) -> dict:
@@ -159,16 +60,19 @@ def main():
 
 
 def parse_cores(text: str | None) -> list[int] | None:
+    from dflash.runtime.session import parse_cores as parse
+
     try:
-        return [int(c) for c in text.split(",")] if text else None
-    except ValueError:
-        raise click.BadParameter(f"give core ids like 0 or 0,1; got {text!r}")
+        return parse(text)
+    except ValueError as e:
+        raise click.BadParameter(str(e))
 
 
 @main.command()
 @click.option("--bundle", "bundles", multiple=True, required=True,
               help="bundle folder; repeat to compare bundles (modes get a -DTYPE suffix)")
-@click.option("--prompts", required=True, type=click.Path(exists=True), help="JSONL prompt file")
+@click.option("--prompts", default=str(BENCHMARK), show_default="the benchmark set",
+              type=click.Path(exists=True), help="JSONL prompt file")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--modes", default="ar", show_default=True,
               help="comma-separated: ar and drafter names (lookup, self-int4, self-int4-tree, draft-lm, ...)")
@@ -220,8 +124,9 @@ def generate(bundles, prompts, max_new_tokens, modes, draft_len, hf, threads, ta
     if hf:
         runners["hf"] = HfRunner(bundles[0], threads)
         bases["hf"] = "ar"
+    ids = {row["id"]: encode_row(model, row) for row in rows}  # the bundles share the tokenizer
     for runner in runners.values():  # warm-up
-        runner(rows[0], 8)
+        runner(ids[rows[0]["id"]], 8)
     results = {name: {} for name in runners}
     with click.progressbar(length=len(rows) * repeats * len(runners), label="generating",
                            file=sys.stderr) as bar:
@@ -229,7 +134,7 @@ def generate(bundles, prompts, max_new_tokens, modes, draft_len, hf, threads, ta
             trials = {name: [] for name in runners}
             for _ in range(repeats):
                 for name, runner in runners.items():  # interleaved: A, B, A, B, ...
-                    trials[name].append(runner(row, max_new_tokens))
+                    trials[name].append(runner(ids[row["id"]], max_new_tokens))
                     bar.update(1)
             for name, runs in trials.items():
                 runs.sort(key=rate)
@@ -254,7 +159,7 @@ def generate(bundles, prompts, max_new_tokens, modes, draft_len, hf, threads, ta
 @click.option("--repeats", default=30, show_default=True)
 def attention(json_out, repeats):
     """Per-layer attention time: TreeAttention (custom) vs ORT GQA vs ONNX Attention-23."""
-    from dflash.ops.bench import IMPLS, bench_attention
+    from .attention import IMPLS, bench_attention
 
     shapes = [(9, 3, 64), (32, 8, 128)]  # SmolLM2, Qwen3-8B
     rows = []
@@ -284,7 +189,7 @@ def attention(json_out, repeats):
 @click.option("--threads", type=int, default=len(os.sched_getaffinity(0)), show_default=True)
 def matmul(json_out, threads):
     """4-bit MatMul: MatMulQ4 (ours) vs ORT MatMulNBits at the default model's shapes."""
-    from dflash.ops.bench_matmul import bench_pair
+    from .matmul import bench_pair
 
     shapes = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # qkv, o, gate|up, down, lm_head
     rows = []
@@ -360,7 +265,8 @@ def verify(bundles, threads, repeats, json_out):
 @main.command()
 @click.option("--bundle", "bundles", multiple=True, required=True,
               help="bundle folder (peers use the first one's source weights); repeat, e.g. for its int4 twin")
-@click.option("--prompts", required=True, type=click.Path(exists=True), help="JSONL prompt file")
+@click.option("--prompts", default=str(BENCHMARK), show_default="the benchmark set",
+              type=click.Path(exists=True), help="JSONL prompt file")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--threads", type=int, default=len(os.sched_getaffinity(0)), show_default=True)
 @click.option("--peers", default="ortgenai,llamacpp,hf", show_default=True,

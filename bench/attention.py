@@ -15,7 +15,7 @@ heads, a mask over the new rows), each as a one-node ONNX model run with IOBindi
           = the cache rows < past ([1, Hkv, past, D]), bool attn_mask [S, past+S], is_causal=0;
           present outputs are new [1, Hkv, past+S, D] tensors (a copy, by the op's definition).
 
-Command line: ``python -m dflash.ops.bench`` prints the comparison table.
+Command line: ``python -m dflash.bench.attention`` prints the comparison table.
 """
 
 from __future__ import annotations

@@ -1,0 +1,1 @@
+"""dflash.bench: side-by-side measurements (`dflash-bench --help`)."""
