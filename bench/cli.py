@@ -319,5 +319,28 @@ def soak(bundle, n, modes, max_new_tokens, threads, max_growth, full, json_out):
         sys.exit(1)
 
 
+@main.command()
+@click.option("--bundle", "bundles", multiple=True, required=True,
+              help="bundle folder; repeat (agreement is measured against the first)")
+@click.option("--text", "text_file", type=click.Path(exists=True), help="plain-text file (default: a shipped text)")
+@click.option("--threads", type=int, help="intra-op threads (default: every usable core)")
+@click.option("--json", "json_out", type=click.Path(), help="write the rows here")
+def quality(bundles, text_file, threads, json_out):
+    """Per bundle: perplexity on a text, top-1 agreement with the first bundle, a sample answer."""
+    from .prompts import QUALITY_TEXT
+    from .quality import quality as run
+
+    text = Path(text_file or QUALITY_TEXT).read_text()
+    rows = run(list(bundles), text, threads)
+    click.echo(f"{'bundle':28s} {'dtype':5s} {'tokens':>6s} {'perplexity':>10s} {'agreement':>9s}")
+    for r in rows:
+        click.echo(f"{r['bundle']:28s} {r['dtype']:5s} {r['tokens']:6d} {r['perplexity']:10.2f} {r['agreement']:9.1%}")
+    for r in rows:
+        click.echo(f"\n{r['bundle']} ({r['dtype']}) answers {r['sample_prompt']!r}:\n{r['sample']}")
+    if json_out:
+        Path(json_out).write_text(json.dumps({"machine": machine(), "text": str(text_file or QUALITY_TEXT),
+                                              "rows": rows}, indent=1))
+
+
 if __name__ == "__main__":
     main()

@@ -1,0 +1,38 @@
+"""dflash-bench quality: perplexity and agreement between precisions, scored through the runtime."""
+
+import json
+
+import numpy as np
+from click.testing import CliRunner
+
+
+def test_quality_scores_every_bundle_against_the_first(tiny, tmp_path):
+    from dflash.bench.cli import main
+
+    fp32, _ = tiny("llama")
+    int8, _ = tiny("llama", dtype="int8")
+    text = tmp_path / "text.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 12)  # longer than one 64-row call
+    out = tmp_path / "quality.json"
+    result = CliRunner().invoke(main, ["quality", "--bundle", str(fp32), "--bundle", str(int8), "--text", str(text),
+                                       "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [r["dtype"] for r in rows] == ["fp32", "int8"]
+    assert rows[0]["agreement"] == 1.0 and 0 <= rows[1]["agreement"] <= 1
+    assert all(np.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in rows)
+    assert rows[0]["tokens"] > 64 and "perplexity" in result.output
+
+
+def test_score_matches_a_plain_softmax(tiny):
+    from dflash.bench.quality import score
+    from dflash.runtime import Model
+
+    model = Model(tiny("llama")[0])
+    ids = list(range(5, 40))
+    logprobs, argmax = score(model, ids)
+    logits = model.target.forward(ids[:-1], np.arange(len(ids) - 1), np.tri(len(ids) - 1, dtype=bool), 0)
+    probs = np.exp(logits - logits.max(-1, keepdims=True))
+    probs /= probs.sum(-1, keepdims=True)
+    np.testing.assert_allclose(logprobs, np.log(probs[np.arange(len(ids) - 1), ids[1:]]), atol=1e-5)
+    assert (argmax == logits.argmax(-1)).all()
