@@ -131,7 +131,7 @@ def test_export_check_fails_on_a_corrupted_quantized_weight(tiny, tmp_path, dtyp
     model = onnx.load(str(graph))
     packed = next(t for t in model.graph.initializer if t.data_type == onnx.TensorProto.UINT8)
     values = numpy_helper.to_array(packed).copy()
-    values.reshape(-1)[: values.size // 4] ^= 0x11  # every 4-bit group of a quarter of one weight off by one
+    values.reshape(-1)[: values.size // 4] ^= 0x88  # a quarter of one weight: every 4-bit group 8 steps off
     packed.CopyFrom(numpy_helper.from_array(values, packed.name))
     (broken / (graph.name + ".data")).unlink()
     onnx.save(model, str(graph), save_as_external_data=True, location=graph.name + ".data")
