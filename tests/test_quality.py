@@ -36,3 +36,17 @@ def test_score_matches_a_plain_softmax(tiny):
     probs /= probs.sum(-1, keepdims=True)
     np.testing.assert_allclose(logprobs, np.log(probs[np.arange(len(ids) - 1), ids[1:]]), atol=1e-5)
     assert (argmax == logits.argmax(-1)).all()
+
+
+def test_a_long_text_is_scored_in_windows_from_an_empty_cache(tiny):
+    from dflash.bench.quality import score
+    from dflash.runtime import Model
+
+    model = Model(tiny("llama")[0])  # 128 rows of cache
+    ids = [5 + i % 50 for i in range(300)]
+    logprobs, argmax = score(model, ids, window=100)
+    assert len(logprobs) == len(argmax) == len(ids) - 1  # every next token once
+    # windows overlap by one token: the second starts at token 99, with nothing cached before it
+    second, _ = score(model, ids[99:199], window=100)
+    np.testing.assert_allclose(logprobs[99:198], second, atol=1e-6)
+    assert len(score(model, ids)[0]) == len(ids) - 1  # the default window is capped at the cache
