@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -210,6 +211,36 @@ def bench_attention(impl, S, past, threads, heads, kv_heads, head_dim, capacity,
         step.run()
         times.append(time.perf_counter_ns() - t0)
     return statistics.median(times) / 1000.0
+
+
+SHAPES = [(9, 3, 64), (32, 8, 128)]  # (heads, kv heads, head dim): SmolLM2, Qwen3-8B
+
+
+def run_grid(repeats: int) -> list[dict]:
+    """`dflash-bench attention`: every implementation at every configuration, interleaved per
+    configuration; one row per implementation and configuration."""
+    import click
+
+    rows = []
+    grid = [(h, t, p, s) for h in SHAPES for t in (1, 2) for p in (128, 1024, 4096) for s in (1, 16, 64)]
+    with click.progressbar(grid, label="attention", file=sys.stderr) as bar:
+        for (heads, kv_heads, dim), threads, past, s in bar:
+            for impl in IMPLS:
+                us = bench_attention(impl, s, past, threads, heads, kv_heads, dim, past + s + 64, repeats)
+                rows.append({"impl": impl, "S": s, "past": past, "threads": threads,
+                             "heads": [heads, kv_heads, dim], "us": us})
+    return rows
+
+
+def print_grid(rows: list[dict], gqa_over_custom: dict) -> None:
+    import click
+
+    click.echo(f"{'heads':>10s} {'thr':>3s} {'S':>3s} {'past':>5s} {'custom':>8s} {'gqa':>8s} {'onnx':>8s} {'gqa/custom':>10s}")
+    for key, ratio in gqa_over_custom.items():
+        s, past, threads, heads = key
+        us = {r["impl"]: r["us"] for r in rows if (r["S"], r["past"], r["threads"], tuple(r["heads"])) == key}
+        click.echo(f"{','.join(map(str, heads)):>10s} {threads:3d} {s:3d} {past:5d} {us['custom']:8.0f} "
+                   f"{us['gqa']:8.0f} {us['onnx']:8.0f} {ratio:10.2f}")
 
 
 def main(argv=None):

@@ -7,8 +7,6 @@ import os
 import platform
 import statistics
 
-from .prompts import load_prompts  # noqa: F401  (re-exported for the commands)
-
 
 def machine() -> dict:
     import onnxruntime
@@ -98,3 +96,12 @@ def summarize(runs: dict[str, dict]) -> dict:
                        verify_ms_per_step=sum(r["verify_ms"] for r in runs.values()) / steps)
     summary["outputs"] = {pid: r["tokens"] for pid, r in runs.items()}
     return summary
+
+
+def ratios(rows: list[dict], keys, a: str, b: str) -> dict:
+    """time(b) / time(a) for each configuration (> 1: a is faster); rows carry "impl" and "us"."""
+    by = {}
+    for r in rows:
+        key = tuple(tuple(r[k]) if isinstance(r[k], list) else r[k] for k in keys)
+        by.setdefault(key, {})[r["impl"]] = r["us"]
+    return {k: v[b] / v[a] for k, v in by.items()}

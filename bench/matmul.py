@@ -5,6 +5,7 @@ onnxruntime-genai's int4 CPU models), each as a one-node model on the same rando
 from __future__ import annotations
 
 import statistics
+import sys
 import time
 
 import numpy as np
@@ -64,3 +65,26 @@ def bench_pair(K: int, N: int, rows: list[int], threads: int, repeats: int = 7, 
         out += [{"impl": impl, "K": K, "N": N, "M": m, "threads": threads, "us": statistics.median(t)}
                 for impl, t in times.items()]
     return out
+
+
+SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # SmolLM2: qkv, o, gate|up, down, lm_head
+
+
+def run_grid(threads: int) -> list[dict]:
+    """`dflash-bench matmul`: both implementations at the default model's shapes, 1 to 64 rows."""
+    import click
+
+    rows = []
+    with click.progressbar(SHAPES, label="matmul", file=sys.stderr) as bar:
+        for K, N in bar:
+            rows += bench_pair(K, N, [1, 2, 4, 16, 64], threads)
+    return rows
+
+
+def print_grid(rows: list[dict], nbits_over_q4: dict) -> None:
+    import click
+
+    click.echo(f"{'K':>5s} {'N':>6s} {'M':>3s} {'q4 us':>9s} {'nbits us':>9s} {'nbits/q4':>9s}")
+    for (K, N, m), ratio in nbits_over_q4.items():
+        us = {r["impl"]: r["us"] for r in rows if (r["K"], r["N"], r["M"]) == (K, N, m)}
+        click.echo(f"{K:5d} {N:6d} {m:3d} {us['q4']:9.1f} {us['nbits']:9.1f} {ratio:9.2f}")

@@ -1,0 +1,146 @@
+"""`dflash-bench generate`: decode tokens/s per mode on a prompt file, every mode interleaved prompt
+by prompt, outputs checked against plain decoding of the same bundle.
+
+    dflash-bench generate --bundle bundles/smollm2 --bundle bundles/smollm2-int4 \\
+        --max-new-tokens 128 --modes ar --hf --json out.json
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+import sys
+from pathlib import Path
+from unittest.mock import patch
+
+import click
+
+from .common import HfRunner, OrtRunner, encode_row, machine, rate, summarize
+
+
+def layouts_for(threads: int, target_cores=None, draft_cores=None, small_pages=False) -> dict[str, dict]:
+    """Model options per layout suffix: "" (every thread), "@pinned" (target and drafter on their own
+    cores), "@4k" (weights left on 4 KB pages)."""
+    layouts = {"": dict(threads=threads)}
+    if target_cores or draft_cores:
+        layouts["@pinned"] = dict(target_cores=target_cores, draft_cores=draft_cores)
+    if small_pages:
+        layouts["@4k"] = dict(threads=threads)
+    return layouts
+
+
+def make_runners(bundles, modes: list[str], draft_len, layouts: dict) -> tuple[dict, dict, list, object]:
+    """({name: runner}, {name: the name it is compared with}, skipped notes, the last Model).
+    A name is the mode, then the bundle's suffix ("" for the first bundle, then -DTYPE, or the
+    folder name if that is taken), then the layout's suffix."""
+    from dflash.runtime import Model
+
+    runners, bases, skipped, names = {}, {}, [], []
+    for i, bundle in enumerate(bundles):
+        for layout, options in layouts.items():
+            pages = {"DFLASH_HUGE_PAGES": "0"} if layout == "@4k" else {}
+            with patch.dict(os.environ, pages):  # read when the sessions are made
+                model = Model(bundle, **options)  # one per bundle and layout, shared by its modes
+                for mode in set(modes) & set(model.drafters):
+                    model.drafter(mode, draft_len)  # its sessions too
+            if not layout:
+                dtype = f"-{model.bundle.graphs['target']['dtype']}"
+                names.append("" if i == 0 else dtype if dtype not in names else f"-{Path(bundle).name}")
+            suffix = names[i] + layout
+            for mode in modes:
+                if mode != "ar" and mode not in model.drafters:
+                    skipped.append(f"{mode}{suffix} (not in {bundle}: it has {', '.join(model.drafters)})")
+                    continue
+                if layout == "@pinned" and mode == "ar":
+                    continue  # the pinned layout is about the two sessions
+                runners[mode + suffix] = OrtRunner(model, mode, draft_len)
+                bases[mode + suffix] = "ar" + names[i]
+    return runners, bases, skipped, model
+
+
+def run_interleaved(runners: dict, ids: dict[str, list[int]], max_new_tokens: int, repeats: int) -> dict:
+    """{name: {prompt id: the median-rate run}}; per prompt the runners take turns: A, B, A, B, ..."""
+    first = next(iter(ids.values()))
+    for runner in runners.values():  # warm-up
+        runner(first, 8)
+    results = {name: {} for name in runners}
+    with click.progressbar(length=len(ids) * repeats * len(runners), label="generating", file=sys.stderr) as bar:
+        for pid, prompt in ids.items():
+            trials = {name: [] for name in runners}
+            for _ in range(repeats):
+                for name, runner in runners.items():
+                    trials[name].append(runner(prompt, max_new_tokens))
+                    bar.update(1)
+            for name, runs in trials.items():
+                runs.sort(key=rate)
+                results[name][pid] = runs[len(runs) // 2]
+    return results
+
+
+def speedups_by_kind(rows, results, mode: str, base: str) -> dict:
+    """Median per-prompt ratio of mode to base tokens/s, for all prompts and per prompt kind."""
+    ratios = {}
+    for row in rows:
+        a, b = results[mode][row["id"]], results[base][row["id"]]
+        if len(a["tokens"]) > 1 and len(b["tokens"]) > 1:
+            for kind in ("all", row.get("kind", "other")):
+                ratios.setdefault(kind, []).append(rate(a) / rate(b))
+    return {kind: statistics.median(v) for kind, v in ratios.items()}
+
+
+def generate(bundles, rows: list[dict], modes: list[str], max_new_tokens: int, threads: int, draft_len=None,
+             hf=False, layouts=None, repeats=1) -> dict:
+    """The report: per mode its summary, speedup over its base, speedup by prompt kind, losslessness."""
+    layouts = layouts or layouts_for(threads)
+    runners, bases, skipped, model = make_runners(bundles, modes, draft_len, layouts)
+    for note in skipped:
+        click.echo(f"skipped: {note}", err=True)
+    if hf:
+        runners["hf"] = HfRunner(bundles[0], threads)
+        bases["hf"] = "ar"
+    ids = {row["id"]: encode_row(model, row) for row in rows}  # the bundles share the tokenizer
+    results = run_interleaved(runners, ids, max_new_tokens, repeats)
+    summaries = {name: summarize(runs) for name, runs in results.items()}
+    return {"machine": machine(), "threads": threads, "max_new_tokens": max_new_tokens,
+            "bundles": list(bundles), "draft_len": draft_len or "adaptive", "layouts": layouts, "skipped": skipped,
+            "modes": summaries,
+            "speedup": {name: summaries[name]["tokens_per_s"] / summaries[bases[name]]["tokens_per_s"]
+                        for name in summaries},
+            "speedup_by_kind": {name: speedups_by_kind(rows, results, name, bases[name]) for name in summaries},
+            "lossless": {name: summaries[name]["outputs"] == summaries[bases[name]]["outputs"] for name in summaries}}
+
+
+def print_table(report: dict) -> None:
+    kinds = sorted({k for v in report["speedup_by_kind"].values() for k in v} - {"all"})
+    click.echo(f"{'mode':22s} {'tok/s':>7s} {'speedup':>8s} {'tok/step':>8s} {'draft ms':>8s} "
+               f"{'verify ms':>9s} {'same as ar':>10s}  speedup by kind: " + " ".join(kinds))
+    for name, m in report["modes"].items():
+        by_kind = report["speedup_by_kind"][name]
+        click.echo(f"{name:22s} {m['tokens_per_s']:7.1f} {report['speedup'][name]:7.2f}x "
+                   f"{m['mean_accept_len']:8.2f} {m.get('draft_ms_per_step', 0):8.1f} "
+                   f"{m.get('verify_ms_per_step', 0):9.1f} {str(report['lossless'][name]):>10s}  "
+                   + " ".join(f"{by_kind.get(k, float('nan')):.2f}x" for k in kinds))
+
+
+def plot(report: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    modes = list(report["modes"])
+    panels = [("tokens_per_s", "decode tokens/s (median over prompts)", "%.1f")]
+    if any(m != "hf" and report["modes"][m].get("accept_hist") for m in modes):
+        panels.append(("mean_accept_len", "tokens per target call", "%.2f"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(len(panels) * (1.1 * len(modes) + 2), 3.8), squeeze=False)
+    for ax, (key, label, fmt) in zip(axes[0], panels):
+        values = [report["modes"][m][key] for m in modes]
+        bars = ax.bar(modes, values, color="#3b7dd8")
+        ax.bar_label(bars, fmt=fmt)
+        ax.set_ylim(0, max(values) * 1.15)
+        ax.set_ylabel(label)
+        ax.tick_params(axis="x", rotation=30)
+    fig.suptitle(f"{report['machine']['cores']} cores, {report['threads']} threads, "
+                 f"{report['max_new_tokens']} new tokens, greedy")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)

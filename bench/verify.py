@@ -1,0 +1,52 @@
+"""`dflash-bench verify`: whole-target forward time for S new rows (a verify of S candidates) at a
+short and a long past, bundle against bundle (e.g. one exported with each attention op)."""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+import numpy as np
+
+GRID = [(past, s) for past in (256, 2048) for s in (1, 2, 4, 8, 16, 32)]  # (cached rows, new rows)
+
+
+def time_forwards(bundles, threads: int, repeats: int) -> list[dict]:
+    """One row per bundle and (past, S): the median ms of a forward; configurations that do not
+    fit a bundle's cache are left out."""
+    from dflash.runtime.bundle import load_bundle
+    from dflash.runtime.target import Target, causal_mask
+
+    names = [Path(path).name for path in bundles]  # e.g. smollm2, smollm2-gqa
+    if len(set(names)) < len(names):
+        names = [str(path) for path in bundles]
+    targets = {name: Target(load_bundle(path), threads) for name, path in zip(names, bundles)}
+    rows = []
+    with click.progressbar(GRID, label="verify", file=sys.stderr) as bar:
+        for past, s in bar:
+            ids, mask = np.arange(s) + 100, causal_mask(s)
+            times = {name: [] for name in targets}
+            # Rounds of a few runs per bundle, alternating: interleaving every single run would
+            # evict each model's weights from the cache and time memory traffic, not the graph.
+            for _ in range(max(1, repeats // 5)):
+                for name, target in targets.items():
+                    if past + s > target.capacity:
+                        continue
+                    for run in range(7):
+                        start = time.perf_counter()
+                        target.forward(ids, np.arange(past, past + s), mask, past)
+                        if run >= 2:  # the first two re-warm the cache
+                            times[name].append((time.perf_counter() - start) * 1e3)
+            rows += [{"bundle": name, "past": past, "S": s, "ms": float(np.median(t))}
+                     for name, t in times.items() if t]
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    names = list(dict.fromkeys(r["bundle"] for r in rows))
+    click.echo(f"{'past':>5s} {'S':>3s} " + " ".join(f"{n:>14s}" for n in names) + "   (ms per forward)")
+    for past, s in GRID:
+        ms = {r["bundle"]: r["ms"] for r in rows if (r["past"], r["S"]) == (past, s)}
+        click.echo(f"{past:5d} {s:3d} " + " ".join(f"{ms.get(n, float('nan')):14.2f}" for n in names))

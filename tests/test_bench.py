@@ -1,0 +1,46 @@
+"""`dflash-bench generate` and `verify` on tiny bundles, and the shipped benchmark prompts."""
+
+import json
+from collections import Counter
+
+from click.testing import CliRunner
+
+from dflash.bench.cli import main
+
+
+def test_benchmark_prompts_are_shipped_by_kind():
+    from dflash.bench.prompts import BENCHMARK, QUALITY_TEXT, load_prompts
+
+    rows = load_prompts(BENCHMARK)
+    kinds = Counter(row["kind"] for row in rows)
+    assert len(rows) >= 24 and len({row["id"] for row in rows}) == len(rows)
+    assert set(kinds) == {"chat", "code", "math", "grounded", "list", "rewrite"} and min(kinds.values()) >= 4
+    assert all(row["messages"][0]["role"] == "user" and row["messages"][0]["content"] for row in rows)
+    assert len(QUALITY_TEXT.read_text().split()) > 1000
+
+
+def test_generate_compares_modes_with_ar(spec_bundle, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps(row) for row in [
+        {"id": "a", "kind": "chat", "messages": [{"role": "user", "content": "the quick brown fox"}]},
+        {"id": "b", "kind": "grounded", "prompt": "a cache holds keys and values. a cache holds keys and"}]))
+    out = tmp_path / "bench.json"
+    result = CliRunner().invoke(main, ["generate", "--bundle", str(spec_bundle()), "--prompts", str(prompts),
+                                       "--modes", "ar,lookup,self-int8,no-such-drafter", "--max-new-tokens", "6",
+                                       "--threads", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert list(report["modes"]) == ["ar", "lookup", "self-int8"] and all(report["lossless"].values())
+    assert report["speedup"]["ar"] == 1.0 and set(report["speedup_by_kind"]["lookup"]) == {"all", "chat", "grounded"}
+    assert report["skipped"][0].startswith("no-such-drafter") and report["prompts"] == str(prompts)
+
+
+def test_verify_times_every_fitting_configuration(tiny, tmp_path):
+    out = tmp_path / "verify.json"
+    short, long = tiny("llama")[0], tiny("llama", max_len=2048 + 32)[0]
+    result = CliRunner().invoke(main, ["verify", "--bundle", str(short), "--bundle", str(long), "--repeats", "1",
+                                       "--threads", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    # the 128-row bundle fits no configuration (past 256 or 2048): left out, no error
+    assert len(rows) == 12 and all(r["ms"] > 0 for r in rows) and "ms per forward" in result.output
