@@ -43,8 +43,9 @@ demo: ops $(BUNDLE)/dflash.json $(BUNDLE)/drafter.onnx
 test: ops ops/build-asan/libdflash_ops.so
 	DFLASH_OPS_ASAN_LIB=$(CURDIR)/ops/build-asan/libdflash_ops.so $(BIN)/python -m pytest -q -p no:cacheprovider
 
+# Plain decoding against transformers on the project's own benchmark prompts (bench/prompts/).
 bench: ops $(BUNDLE)/dflash.json
-	$(BIN)/dflash-bench generate --bundle $(BUNDLE) \
+	$(BIN)/dflash-bench generate --bundle $(BUNDLE) --prompts bench/prompts/benchmark.jsonl \
 		--max-new-tokens 128 --modes ar --hf --json bench.json
 
 clean:
