@@ -58,13 +58,13 @@ template <typename... Args>
 
 // The activations of one call, quantized per row and block.
 struct QuantizedRows {
-  std::vector<int8_t> q;      // [M][K]
-  std::vector<float> scale;   // [M][KB]
-  std::vector<int32_t> bias;  // [M][KB]: 8 * sum of the block's q (the u - 8 offset of W)
+  std::vector<int8_t> q;        // [M][K]
+  std::vector<float> scale;     // [M][KB]
+  std::vector<int32_t> offset;  // [M][KB]: -8 * sum of the block's q (the u - 8 of W), a dot's start
 };
 
 // Quantize `blocks` consecutive blocks of 32 activations (see the header comment).
-void quantize_portable(const float* a, int64_t blocks, int8_t* q, float* scale, int32_t* bias) {
+void quantize_portable(const float* a, int64_t blocks, int8_t* q, float* scale, int32_t* offset) {
   for (int64_t blk = 0; blk < blocks; ++blk, a += kBlock, q += kBlock) {
     float amax = 0.0f;
     for (int64_t k = 0; k < kBlock; ++k) amax = std::max(amax, std::fabs(a[k]));
@@ -76,7 +76,7 @@ void quantize_portable(const float* a, int64_t blocks, int8_t* q, float* scale, 
       sum += q[k];
     }
     scale[blk] = amax / 127.0f;
-    bias[blk] = 8 * sum;
+    offset[blk] = -8 * sum;
   }
 }
 
@@ -107,50 +107,78 @@ void tile_portable(const Job& job, int64_t t) {
       const int8_t* q = qa.q.data() + m * K + b * kBlock;
       const float sa = qa.scale[m * KB + b];
       for (int64_t c = 0; c < kTile; ++c) {
-        int32_t dot = 0;
+        int32_t dot = qa.offset[m * KB + b];
         for (int64_t k = 0; k < kBlock; ++k) dot += q[k] * nibble(tb, k, c);
         const float s = sa * sb[c];
-        acc[c] = std::fma(static_cast<float>(dot - qa.bias[m * KB + b]), s, acc[c]);
+        acc[c] = std::fma(static_cast<float>(dot), s, acc[c]);
       }
     }
     std::memcpy(job.y + m * job.N + t * kTile, acc, static_cast<size_t>(width) * sizeof(float));
   }
 }
 
+// Four consecutive int8 activations as one 32-bit lane value, to broadcast to every column. Read
+// from memory (not from a register) so the compiler folds it into the instruction as a broadcast
+// load: a broadcast from a general register costs a vector uop per use, as many as the dot itself.
+inline int32_t quad_at(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, sizeof v);
+  return v;
+}
+
+// The row groups of a call: a tile function takes R rows at once (1..kMaxRows), so each tile-block
+// is loaded and unpacked once per group of rows, not once per row.
+using RowsFn = void (*)(const Job&, int64_t t, int64_t m0);
+
+// One tile for every row: full groups of R rows, then one smaller group for the rest.
+template <int R>
+void tile_in_row_groups(const Job& job, int64_t t, const RowsFn (&rows)[R + 1]) {
+  int64_t m = 0;
+  for (; m + R <= job.M; m += R) rows[R](job, t, m);
+  if (job.M > m) rows[job.M - m](job, t, m);
+}
+
 #ifdef DFLASH_Q4_X86
-// R rows (1..4) of one tile. The weights of a block are unpacked once and used by every row;
-// each row's sums follow the same order as in tile_portable.
+// R rows (1..8) of one tile. Per block: each of the four 64-byte loads gives two registers of
+// unpacked weights (low and high nibbles) that every row uses at once; each row sums its exact
+// int32 dot for the block, then takes the same float step as tile_portable. Registers: R chains,
+// R float accumulators and a few for the weights, within the 32 of AVX-512.
 template <int R>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(const Job& job, int64_t t,
                                                                                int64_t m0) {
   const int64_t K = job.K, KB = K / kBlock;
-  const QuantizedRows& qa = *job.rows;
+  const int8_t* q = job.rows->q.data() + m0 * K;
+  const float* sa = job.rows->scale.data() + m0 * KB;
+  const int32_t* offset = job.rows->offset.data() + m0 * KB;
+  // One dot chain per row is eight dependent VNNI steps; with few rows, two chains per row keep
+  // enough independent work in flight to hide their latency (integer sums: the order is free).
+  constexpr int kChains = R < 4 ? 2 : 1;
   const __m512i low4 = _mm512_set1_epi8(0x0F);
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* tb = job.weight + (t * KB + b) * kTileBytes;
-    __m512i u[8];  // u[g]: k = 4g..4g+3 of the block, 16 columns x 4 bytes
+    __m512i dot[R][kChains];  // the low-nibble and high-nibble halves of a row's dot
+    for (int r = 0; r < R; ++r) {
+      dot[r][0] = _mm512_set1_epi32(offset[r * KB + b]);
+      if (kChains == 2) dot[r][1] = _mm512_setzero_si512();
+    }
     for (int c4 = 0; c4 < 4; ++c4) {
+      // 16 columns x 4 bytes: k = 4*c4.. (low nibbles) and k = 16 + 4*c4.. (high nibbles)
       const __m512i bytes = _mm512_loadu_si512(tb + 64 * c4);
-      u[c4] = _mm512_and_si512(bytes, low4);
-      u[c4 + 4] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      const __m512i lo = _mm512_and_si512(bytes, low4);
+      const __m512i hi = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* qb = q + r * K + b * kBlock + 4 * c4;
+        dot[r][0] = _mm512_dpbusd_epi32(dot[r][0], lo, _mm512_set1_epi32(quad_at(qb)));
+        dot[r][kChains - 1] = _mm512_dpbusd_epi32(dot[r][kChains - 1], hi, _mm512_set1_epi32(quad_at(qb + 16)));
+      }
     }
     const __m512 sb = _mm512_loadu_ps(job.scales + (t * KB + b) * kTile);
     for (int r = 0; r < R; ++r) {
-      const int64_t m = m0 + r;
-      const int8_t* q = qa.q.data() + m * K + b * kBlock;
-      int32_t quad[8];
-      std::memcpy(quad, q, sizeof quad);
-      // Two independent integer chains (exact, so their order does not matter).
-      __m512i d0 = _mm512_setzero_si512(), d1 = _mm512_setzero_si512();
-      for (int g = 0; g < 8; g += 2) {
-        d0 = _mm512_dpbusd_epi32(d0, u[g], _mm512_set1_epi32(quad[g]));
-        d1 = _mm512_dpbusd_epi32(d1, u[g + 1], _mm512_set1_epi32(quad[g + 1]));
-      }
-      const __m512i dot = _mm512_sub_epi32(_mm512_add_epi32(d0, d1), _mm512_set1_epi32(qa.bias[m * KB + b]));
-      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(qa.scale[m * KB + b]), sb);
-      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot), s, acc[r]);
+      const __m512 s = _mm512_mul_ps(_mm512_set1_ps(sa[r * KB + b]), sb);
+      const __m512i d = kChains == 2 ? _mm512_add_epi32(dot[r][0], dot[r][1]) : dot[r][0];
+      acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[r]);
     }
   }
   const int64_t width = std::min(kTile, job.N - t * kTile);
@@ -158,23 +186,22 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(con
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(job.y + (m0 + r) * job.N + t * kTile, keep, acc[r]);
 }
 
-// One tile for every row: groups of four rows, then the remaining one to three.
-using RowsFn = void (*)(const Job&, int64_t, int64_t);
-template <RowsFn Rows4, RowsFn Rows3, RowsFn Rows2, RowsFn Rows1>
-void tile_in_row_groups(const Job& job, int64_t t) {
-  int64_t m = 0;
-  for (; m + 4 <= job.M; m += 4) Rows4(job, t, m);
-  const RowsFn rest[] = {nullptr, Rows1, Rows2, Rows3};
-  if (job.M > m) rest[job.M - m](job, t, m);
-}
-
-const auto tile_avx512 = tile_in_row_groups<tile_rows_avx512<4>, tile_rows_avx512<3>, tile_rows_avx512<2>,
-                                            tile_rows_avx512<1>>;
+constexpr int kRowsAvx512 = 8;
+const RowsFn rows_avx512[kRowsAvx512 + 1] = {nullptr,
+                                             tile_rows_avx512<1>,
+                                             tile_rows_avx512<2>,
+                                             tile_rows_avx512<3>,
+                                             tile_rows_avx512<4>,
+                                             tile_rows_avx512<5>,
+                                             tile_rows_avx512<6>,
+                                             tile_rows_avx512<7>,
+                                             tile_rows_avx512<8>};
+void tile_avx512(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx512>(job, t, rows_avx512); }
 
 // The same arithmetic as quantize_portable: max and products are exact or singly rounded alike,
 // and the conversion rounds to nearest even (the default MXCSR mode); |a * inv| <= 127 needs no clamp.
 __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a, int64_t blocks, int8_t* q,
-                                                                 float* scale, int32_t* bias) {
+                                                                 float* scale, int32_t* offset) {
   for (int64_t blk = 0; blk < blocks; ++blk, a += kBlock, q += kBlock) {
     const __m512 x0 = _mm512_loadu_ps(a), x1 = _mm512_loadu_ps(a + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
@@ -183,38 +210,49 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a,
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
     scale[blk] = amax / 127.0f;
-    bias[blk] = 8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    offset[blk] = -8 * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
 }
+
 // AVX2 (no VNNI): u8 x s8 products summed in pairs by maddubs; 8 groups of 4 sum to at most
 // 8 * 2 * 15 * 127 = 30480 per 16-bit lane, so the integer dot is exact, and the float part is the
 // same fma sequence: the same bits as the other paths. Eight columns per register, so each half
-// of a tile runs its own pass over the blocks.
+// of a tile runs its own pass over the blocks, R rows (1..4) at a time: R int16 sums and R float
+// accumulators fit the 16 registers beside the unpacked weights.
+// An empty asm that claims to change v: the compiler must hold v in a register here. Without it GCC
+// regroups the 32 int16 additions of a row group into a tree over the whole block (integer sums
+// may be reordered), which needs more than 16 registers and spills every product to the stack.
+__attribute__((target("avx2"))) inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
+
 template <int R>
 __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t t, int64_t m0) {
   const int64_t K = job.K, KB = K / kBlock;
-  const QuantizedRows& qa = *job.rows;
+  const int8_t* q = job.rows->q.data() + m0 * K;
+  const float* sa = job.rows->scale.data() + m0 * KB;
+  const int32_t* offset = job.rows->offset.data() + m0 * KB;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {
     __m256 acc[R];
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* tb = job.weight + (t * KB + b) * kTileBytes + 32 * half;
-      __m256i u[8];
+      __m256i pairs[R];
+      for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
       for (int c4 = 0; c4 < 4; ++c4) {
         const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(tb + 64 * c4));
-        u[c4] = _mm256_and_si256(bytes, low4);
-        u[c4 + 4] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+        const __m256i lo = _mm256_and_si256(bytes, low4);
+        const __m256i hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+        for (int r = 0; r < R; ++r) {
+          const int8_t* qb = q + r * K + b * kBlock + 4 * c4;
+          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(quad_at(qb))));
+          pairs[r] = _mm256_add_epi16(pairs[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(quad_at(qb + 16))));
+          keep_in_register(pairs[r]);
+        }
       }
       const __m256 sb = _mm256_loadu_ps(job.scales + (t * KB + b) * kTile + 8 * half);
       for (int r = 0; r < R; ++r) {
-        const int64_t m = m0 + r;
-        int32_t quad[8];
-        std::memcpy(quad, qa.q.data() + m * K + b * kBlock, sizeof quad);
-        __m256i pairs = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(quad[0]));
-        for (int g = 1; g < 8; ++g) pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(u[g], _mm256_set1_epi32(quad[g])));
-        const __m256i dot = _mm256_sub_epi32(_mm256_madd_epi16(pairs, ones), _mm256_set1_epi32(qa.bias[m * KB + b]));
-        const __m256 s = _mm256_mul_ps(_mm256_set1_ps(qa.scale[m * KB + b]), sb);
+        const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs[r], ones), _mm256_set1_epi32(offset[r * KB + b]));
+        const __m256 s = _mm256_mul_ps(_mm256_set1_ps(sa[r * KB + b]), sb);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r]);
       }
     }
@@ -227,7 +265,10 @@ __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t 
   }
 }
 
-const auto tile_avx2 = tile_in_row_groups<tile_rows_avx2<4>, tile_rows_avx2<3>, tile_rows_avx2<2>, tile_rows_avx2<1>>;
+constexpr int kRowsAvx2 = 4;
+const RowsFn rows_avx2[kRowsAvx2 + 1] = {nullptr, tile_rows_avx2<1>, tile_rows_avx2<2>, tile_rows_avx2<3>,
+                                         tile_rows_avx2<4>};
+void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t, rows_avx2); }
 #endif
 
 using TileFn = void (*)(const Job&, int64_t);
@@ -285,8 +326,8 @@ struct MatMulQ4Kernel {
     const int64_t blocks = M * KB;  // rows are KB blocks wide, so all blocks are contiguous
     rows.q.resize(static_cast<size_t>(M * K));
     rows.scale.resize(static_cast<size_t>(blocks));
-    rows.bias.resize(static_cast<size_t>(blocks));
-    paths.quantize(a.GetTensorData<float>(), blocks, rows.q.data(), rows.scale.data(), rows.bias.data());
+    rows.offset.resize(static_cast<size_t>(blocks));
+    paths.quantize(a.GetTensorData<float>(), blocks, rows.q.data(), rows.scale.data(), rows.offset.data());
     const Job job{&rows, weight.GetTensorData<uint8_t>(), scales.GetTensorData<float>(), y, M, K, N};
     parallel_for(context, T, [&](int64_t t) { paths.tile(job, t); }, "a tile failed");
   }

@@ -50,6 +50,25 @@ def test_matches_reference_bit_for_bit(lib, monkeypatch, kernels):
         assert np.abs(y - a @ w).max() < 0.05 * np.sqrt(K)  # and it is a matmul, within int4 error
 
 
+@pytest.mark.parametrize("kernels", [None, "avx2", "portable"])
+def test_every_row_count_and_tile_edge_matches_the_reference(lib, monkeypatch, kernels):
+    """1..33 rows cover every row group of the register-blocked kernels (8 rows on AVX-512, 4 on
+    AVX2) with every remainder, at N with a partial last tile (and within one tile) and several K."""
+    if kernels:
+        monkeypatch.setenv("DFLASH_OPS_KERNELS", kernels)
+    rng = np.random.default_rng(5)
+    for K, N in [(32, 7), (96, 40), (576, 33), (160, 16)]:
+        packed, scales = pack_q4(random_weights(rng, K, N))
+        a = rng.standard_normal((40, K)).astype(np.float32)
+        a[5, :32] = 0.0  # an all-zero activation block
+        ref = matmul_q4(a, packed, scales, N)
+        sess = session(q4_model(K, N, packed, scales), threads=2)
+        for M in range(1, 34):
+            start = (7 * M) % (41 - M)  # the rows at varying places within the row groups
+            np.testing.assert_array_equal(sess.run(None, {"a": a[start:start + M]})[0], ref[start:start + M],
+                                          err_msg=f"K={K} N={N} M={M} rows {start}..")
+
+
 def test_rows_round_alike_for_any_row_count_and_threads(lib):
     """A one-token step and a verify of many rows must agree bit for bit (lossless speculation)."""
     rng = np.random.default_rng(2)

@@ -209,7 +209,9 @@ def check_valid(sess, c: dict) -> str | None:
 
 
 def check_matmul_q4(rng, threads: int) -> str | None:
-    """MatMulQ4 at a random size (partial last tile, 0..70 rows) against its numpy reference."""
+    """MatMulQ4 at a random size (partial last tile, 0..70 rows: every row group and remainder of
+    the register-blocked kernels) on a random kernel path against its numpy reference, and a random
+    slice of the rows alone against the same rows of the full call."""
     import onnxruntime as ort
 
     import dflash.ops
@@ -217,6 +219,8 @@ def check_matmul_q4(rng, threads: int) -> str | None:
     from dflash.ops.reference import matmul_q4, pack_q4
 
     K, N, M = 32 * int(rng.integers(1, 33)), int(rng.integers(1, 100)), int(rng.integers(0, 71))
+    kernels = KERNELS[int(rng.integers(len(KERNELS)))]
+    os.environ["DFLASH_OPS_KERNELS"] = kernels  # read when the session creates the kernel
     packed, scales = pack_q4(rng.standard_normal((K, N)).astype(np.float32))
     model = q4_model(K, N, packed, scales)  # untyped input
     so = ort.SessionOptions()
@@ -225,8 +229,14 @@ def check_matmul_q4(rng, threads: int) -> str | None:
     dflash.ops.register(so)
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     a = rng.standard_normal((M, K)).astype(np.float32)
-    if not np.array_equal(sess.run(None, {"a": a})[0], matmul_q4(a, packed, scales, N)):
-        return f"MatMulQ4 K={K} N={N} M={M}: differs from the reference"
+    where = f"MatMulQ4 K={K} N={N} M={M} kernels={kernels or 'best'}"
+    full = sess.run(None, {"a": a})[0]
+    if not np.array_equal(full, matmul_q4(a, packed, scales, N)):
+        return f"{where}: differs from the reference"
+    start = int(rng.integers(0, M + 1))
+    stop = int(rng.integers(start, M + 1))
+    if not np.array_equal(sess.run(None, {"a": a[start:stop]})[0], full[start:stop]):
+        return f"{where}: rows {start}:{stop} alone differ from the same rows of the full call"
     return None
 
 
