@@ -3,9 +3,9 @@ and fail if they disagree.
 
 For a quantized graph the reference computes what its MatMuls should compute: the source
 weights quantized independently here (symmetric blocks of 32 along K, the scale mapping a
-block's largest-magnitude weight to the lowest level, as both MatMulQ4 and ORT's symmetric
-MatMulNBits quantize) and the activations quantized to int8 per block of 32 (MatMulQ4 and
-MatMulNBits accuracy level 4).  On tiny models the graph matches it to 1e-6; on real models with
+block's largest-magnitude weight to the lowest level, as MatMulQ4, MatMulQ8 and ORT's symmetric
+MatMulNBits quantize) and the activations quantized to int8 per block of 32 (MatMulQ4, MatMulQ8
+and MatMulNBits accuracy level 4).  On tiny models the graph matches it to 1e-6; on real models with
 outlier activations a few int8 roundings flip and grow through the layers, so a quantized graph
 must stay within a share of the distance quantization moves the model from fp32 (QUANTIZED_SHARE;
 measured on SmolLM2-135M: 0.03-0.09 of it with MatMulQ4).  A graph whose quantized weights are
@@ -22,11 +22,11 @@ import torch
 BLOCK = 32
 TOLERANCE = 1e-3  # allowed |ORT - reference|, relative to the reference's largest magnitude (+1)
 # Quantized graphs: allowed |ORT - reference| as a share of |reference - fp32|, per MatMul kernel.
-# MatMulQ4 is ours and rounds exactly as the reference; ORT's MatMulNBits agrees to 1e-6 on small
-# activations but drifts on SmolLM2's outliers (measured: 0.8 of the quantization distance at int8),
-# so for it the check only says the graph is no further from the reference than quantization moves
-# the model.
-QUANTIZED_SHARE = {"q4": 0.25, "nbits": 1.0}
+# MatMulQ4 and MatMulQ8 are ours and round exactly as the reference; ORT's MatMulNBits agrees to
+# 1e-6 on small activations but drifts on SmolLM2's outliers (measured: 0.8 of the quantization
+# distance at int8), so for it the check only says the graph is no further from the reference than
+# quantization moves the model.
+QUANTIZED_SHARE = {"q4": 0.25, "q8": 0.25, "nbits": 1.0}
 
 
 def quantized_weight(w: torch.Tensor, bits: int) -> torch.Tensor:

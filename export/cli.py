@@ -68,9 +68,10 @@ def main():
 @click.option("--taps", default="auto", show_default=True, help="tap layer ids for a drafter, or 'auto'")
 @click.option("--attention", type=click.Choice(ATTENTION_IMPLEMENTATIONS), default="custom", show_default=True,
               help="custom: this project's TreeAttention op; gqa: ORT GroupQueryAttention; onnx: ONNX Attention-23")
-@click.option("--matmul", type=click.Choice(["q4", "nbits"]),
-              help="int4 MatMul kernel: q4 (this project's MatMulQ4, the default with --attention custom) "
-                   "or nbits (ORT MatMulNBits, with a padding row for exact speculation)")
+@click.option("--matmul", type=click.Choice(["q4", "q8", "nbits"]),
+              help="quantized MatMul kernel: q4 / q8 (this project's MatMulQ4 for int4 / MatMulQ8 for int8, "
+                   "the default with --attention custom) or nbits (ORT MatMulNBits, with a padding row for "
+                   "exact speculation)")
 @click.option("--overwrite", is_flag=True, help="replace an existing bundle folder")
 def target(src, out, dtype, max_len, taps, attention, matmul, overwrite):
     """Export the target model SRC: a Hugging Face model folder, a .gguf file, or 'default'."""
@@ -89,7 +90,7 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
     from .quantize import kernel_for, quantize
     from .target import export_onnx, kv_layout
 
-    matmul = kernel_for(dtype, attention, matmul)  # q4: rows round alike for any row count
+    matmul = kernel_for(dtype, attention, matmul)  # q4, q8: rows round alike for any row count
     progress = Progress(5 if dtype == "fp32" else 6)
     progress(f"loading {src}")
     source = source or sources.load(src)
@@ -105,7 +106,7 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
         export_onnx(source.model, tap_ids, max_len, attention, fp32_path)
         graph = "target.onnx"
         if dtype != "fp32":
-            progress(f"quantizing to {dtype} ({'MatMulQ4' if matmul == 'q4' else 'MatMulNBits'})")
+            progress(f"quantizing to {dtype} ({ {'q4': 'MatMulQ4', 'q8': 'MatMulQ8'}.get(matmul, 'MatMulNBits')})")
             graph = f"target_{dtype}.onnx"
             quantize(fp32_path, folder / graph, dtype, matmul)
             fp32_path.unlink()

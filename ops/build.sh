@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Build libdflash_ops.so (the TreeAttention op) into ops/build/.
+# Build libdflash_ops.so (the TreeAttention and quantized MatMul ops) into ops/build/.
 #   bash ops/build.sh                          release build -> ops/build/libdflash_ops.so
 #   DFLASH_OPS_SANITIZE=1 bash ops/build.sh    ASan+UBSan build -> ops/build-asan/libdflash_ops.so
 #                                              (load it with LD_PRELOAD=$(gcc -print-file-name=libasan.so))

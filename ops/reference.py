@@ -156,22 +156,83 @@ def unpack_q4(weight, scales, N):
     return w.transpose(1, 2, 0, 3).reshape(KB * Q4_BLOCK, T * Q4_TILE)[:, :N]
 
 
-def matmul_q4(a, weight, scales, N):
-    """MatMulQ4 in numpy, bit for bit: a [..., K] float32 -> [..., N] float32."""
+def quantize_activations(a):
+    """Activations [..., K] as the quantized MatMul ops quantize them (ops/quantized_matmul.cc): per block
+    of 32, q = round-half-even(a * (127 / max|a|)) in float32 and sa = max|a| / 127. Returns
+    (q int64 [M, K/32, 32], sa float32 [M, K/32])."""
     a = np.asarray(a, dtype=np.float32)
-    K = a.shape[-1]
-    T, KB, _ = weight.shape
-    x = a.reshape(-1, KB, Q4_BLOCK)
+    x = a.reshape(-1, a.shape[-1] // Q4_BLOCK, Q4_BLOCK)
     amax = np.abs(x).max(axis=2)                            # [M, KB]
     inv = np.where(amax > 0, np.float32(127) / np.where(amax > 0, amax, 1), 0).astype(np.float32)
     q = np.clip(np.rint(x * inv[:, :, None]), -127, 127).astype(np.int64)
-    sa = (amax / np.float32(127)).astype(np.float32)
-    u = (unpack_q4(weight, np.ones_like(scales), T * Q4_TILE) + 8).astype(np.int64)  # [K, T*16]
-    u = u.reshape(KB, Q4_BLOCK, T * Q4_TILE)
-    dots = np.einsum("mbk,bkn->mbn", q, u) - 8 * q.sum(axis=2)[:, :, None]        # exact ints
+    return q, (amax / np.float32(127)).astype(np.float32)
+
+
+def accumulate_blocks(dots, sa, scales):
+    """y [M, T*16] = sum over blocks b in order of fma(float(dots[:, b]), sa[:, b] * scale_b, y)
+    from 0, in float32 as the ops do (dots: exact integer dots [M, KB, T*16])."""
+    T, KB, _ = scales.shape
     sb = scales.transpose(1, 0, 2).reshape(KB, T * Q4_TILE)
-    y = np.zeros((x.shape[0], T * Q4_TILE), np.float32)
+    y = np.zeros((dots.shape[0], T * Q4_TILE), np.float32)
     for b in range(KB):  # fma in block order: float64 product of two float32s is exact
         s = (sa[:, b:b + 1] * sb[b][None, :]).astype(np.float32)
         y = (dots[:, b].astype(np.float64) * s + y).astype(np.float32)
-    return y[:, :N].reshape(*a.shape[:-1], N)
+    return y
+
+
+def matmul_q4(a, weight, scales, N):
+    """MatMulQ4 in numpy, bit for bit: a [..., K] float32 -> [..., N] float32."""
+    a = np.asarray(a, dtype=np.float32)
+    T, KB, _ = weight.shape
+    q, sa = quantize_activations(a)
+    u = (unpack_q4(weight, np.ones_like(scales), T * Q4_TILE) + 8).astype(np.int64)  # [K, T*16]
+    u = u.reshape(KB, Q4_BLOCK, T * Q4_TILE)
+    dots = np.einsum("mbk,bkn->mbn", q, u) - 8 * q.sum(axis=2)[:, :, None]        # exact ints
+    return accumulate_blocks(dots, sa, scales)[:, :N].reshape(*a.shape[:-1], N)
+
+
+# ---- MatMulQ8 (matmul_q8.cc): 8-bit weights, rows that round alike for any row count ---------
+
+Q8_TILE_BYTES = 512
+
+
+def pack_q8(w):
+    """Quantize W [K, N] (K a multiple of 32) to the MatMulQ8 layout: symmetric 8-bit blocks of 32
+    rows per column; the scale maps the block's largest-magnitude weight to -128 (as ORT's symmetric
+    MatMulNBits does), so the others land in -128..127, stored as u = w + 128. Returns
+    (weight uint8 [T, K/32, 512], scales float32 [T, K/32, 16]) with T = ceil(N/16); padding columns
+    are zero weights (u = 128) with scale 0."""
+    w = np.asarray(w, dtype=np.float32)
+    K, N = w.shape
+    if K % Q4_BLOCK:
+        raise ValueError(f"K = {K} is not a multiple of {Q4_BLOCK}")
+    T, KB = -(-N // Q4_TILE), K // Q4_BLOCK
+    wp = np.zeros((K, T * Q4_TILE), np.float32)
+    wp[:, :N] = w
+    blocks = wp.reshape(KB, Q4_BLOCK, T, Q4_TILE).transpose(2, 0, 1, 3)  # [T, KB, 32, 16]
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[:, :, None, :], axis=2)[:, :, 0]
+    scale = (extreme / -128.0).astype(np.float32)  # [T, KB, 16]
+    safe = np.where(scale != 0, scale, 1.0)
+    u = (np.clip(np.rint(blocks / safe[:, :, None, :]), -128, 127) + 128).astype(np.uint8)  # [T, KB, 32, 16]
+    # k = 4*g + i  ->  byte 64*g + 4*c + i
+    u = u.reshape(T, KB, 8, 4, Q4_TILE).transpose(0, 1, 2, 4, 3)  # [T, KB, g, c, i]
+    return np.ascontiguousarray(u).reshape(T, KB, Q8_TILE_BYTES), scale
+
+
+def unpack_q8(weight, scales, N):
+    """The dequantized W [K, N] that MatMulQ8 multiplies by (for tests and error estimates)."""
+    T, KB, _ = weight.shape
+    u = weight.reshape(T, KB, 8, Q4_TILE, 4).transpose(0, 1, 2, 4, 3)  # [T, KB, g, i, c]
+    w = (u.reshape(T, KB, Q4_BLOCK, Q4_TILE).astype(np.float32) - 128) * scales[:, :, None, :]
+    return w.transpose(1, 2, 0, 3).reshape(KB * Q4_BLOCK, T * Q4_TILE)[:, :N]
+
+
+def matmul_q8(a, weight, scales, N):
+    """MatMulQ8 in numpy, bit for bit: a [..., K] float32 -> [..., N] float32."""
+    a = np.asarray(a, dtype=np.float32)
+    T, KB, _ = weight.shape
+    q, sa = quantize_activations(a)
+    u = (unpack_q8(weight, np.ones_like(scales), T * Q4_TILE) + 128).astype(np.int64)  # [K, T*16]
+    u = u.reshape(KB, Q4_BLOCK, T * Q4_TILE)
+    dots = np.einsum("mbk,bkn->mbn", q, u) - 128 * q.sum(axis=2)[:, :, None]      # exact ints
+    return accumulate_blocks(dots, sa, scales)[:, :N].reshape(*a.shape[:-1], N)

@@ -49,7 +49,7 @@
 #include <vector>
 
 #include "kernels.h"
-#include "matmul_q4.h"
+#include "quantized_matmul.h"
 #include "op_support.h"
 
 namespace dflash {
@@ -544,7 +544,7 @@ struct PackedTreeAttentionKernel : AttentionKernelBase {
     if (mask_in.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL ||
         mshape.size() != 2 || mshape[0] != S || mshape[1] != S)
       fail("packed: mask must be bool [S, S] = [", S, ", ", S, "], got ", shape_str(mshape));
-    if (pinfo.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 || pinfo.GetElementCount() != S)
+    if (pinfo.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 || pinfo.GetElementCount() != static_cast<size_t>(S))
       fail("packed: position_ids must be int64 [1, S] with S = ", S);
     if (cshape.size() != 2 || cshape[1] != half || cos_in.GetTensorTypeAndShapeInfo().GetShape() !=
                                                        sin_in.GetTensorTypeAndShapeInfo().GetShape())
@@ -635,6 +635,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     domain.Add(&op);
     domain.Add(&packed_op);
     domain.Add(dflash::matmul_q4_op());
+    domain.Add(dflash::matmul_q8_op());
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(dflash::g_domains_mutex);
     dflash::g_domains->push_back(domain.release());

@@ -11,8 +11,8 @@ differently (logits differ by up to 0.8 at int4, accuracy level 4), so a one-tok
 step and a multi-token verify could pick different tokens.  With two rows or more, each
 row's result is bit-identical whatever the row count (tests/test_speculative.py checks
 it), so plain decoding pads its one row with a dummy second row, which costs one cache
-row of capacity.  fp32 MatMul and our MatMulQ4 (int4 bundles with the op library) are
-row-count independent and run single rows as they are.
+row of capacity.  fp32 MatMul and our MatMulQ4 / MatMulQ8 (int4 / int8 bundles with the op
+library) are row-count independent and run single rows as they are.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """Fuzz test of the TreeAttention op: random shapes, masks, past lengths, GQA ratios and kernel
 paths must match the numpy reference; wrong inputs must raise a clean onnxruntime error. Every
-fourth case also runs MatMulQ4 at a random size against its bit-exact reference.
+fourth case also runs MatMulQ4 or MatMulQ8 (in turn) at a random size against its bit-exact
+reference.
 
 The cases run in a child process, so a crash is a test failure with the last case named, not a
 dead pytest. `make test` also runs them against the AddressSanitizer/UBSan build of the library
@@ -208,30 +209,33 @@ def check_valid(sess, c: dict) -> str | None:
     return None
 
 
-def check_matmul_q4(rng, threads: int) -> str | None:
-    """MatMulQ4 at a random size (partial last tile, 0..70 rows: every row group and remainder of
+def check_quantized_matmul(rng, threads: int, bits: int) -> str | None:
+    """MatMulQ4 (bits 4) or MatMulQ8 (bits 8) at a random size (partial last tile, 0..70 rows: every row group and remainder of
     the register-blocked kernels) on a random kernel path against its numpy reference, and a random
     slice of the rows alone against the same rows of the full call."""
     import onnxruntime as ort
 
     import dflash.ops
-    from dflash.ops.models import q4_model
-    from dflash.ops.reference import matmul_q4, pack_q4
+    from dflash.ops import models, reference
+
+    op = f"MatMulQ{bits}"
+    one_node = getattr(models, f"q{bits}_model")
+    pack, reference_matmul = getattr(reference, f"pack_q{bits}"), getattr(reference, f"matmul_q{bits}")
 
     K, N, M = 32 * int(rng.integers(1, 33)), int(rng.integers(1, 100)), int(rng.integers(0, 71))
     kernels = KERNELS[int(rng.integers(len(KERNELS)))]
     os.environ["DFLASH_OPS_KERNELS"] = kernels  # read when the session creates the kernel
-    packed, scales = pack_q4(rng.standard_normal((K, N)).astype(np.float32))
-    model = q4_model(K, N, packed, scales)  # untyped input
+    packed, scales = pack(rng.standard_normal((K, N)).astype(np.float32))
+    model = one_node(K, N, packed, scales)  # untyped input
     so = ort.SessionOptions()
     so.intra_op_num_threads = threads
     so.enable_cpu_mem_arena = False
     dflash.ops.register(so)
     sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
     a = rng.standard_normal((M, K)).astype(np.float32)
-    where = f"MatMulQ4 K={K} N={N} M={M} kernels={kernels or 'best'}"
+    where = f"{op} K={K} N={N} M={M} kernels={kernels or 'best'}"
     full = sess.run(None, {"a": a})[0]
-    if not np.array_equal(full, matmul_q4(a, packed, scales, N)):
+    if not np.array_equal(full, reference_matmul(a, packed, scales, N)):
         return f"{where}: differs from the reference"
     start = int(rng.integers(0, M + 1))
     stop = int(rng.integers(start, M + 1))
@@ -251,7 +255,7 @@ def run_case(i: int, seed: int) -> str | None:
     if i % 3 != 2:
         problem = check_valid(session_for(c), c)
         if problem is None and i % 4 == 1:
-            problem = check_matmul_q4(rng, c["threads"])
+            problem = check_quantized_matmul(rng, c["threads"], bits=4 if i % 8 == 1 else 8)
         return problem
     what = list(MUTATIONS)[i // 3 % len(MUTATIONS)]  # each in turn
     graph, feeds = mutate(c, what, rng)

@@ -70,17 +70,18 @@ def test_export_check_and_manifest(tiny):
     assert (bundle / "tokenizer.json").is_file() and (bundle / "chat_template.jinja").is_file()
 
 
-@pytest.mark.parametrize("dtype,requested,matmul", [("int8", None, "nbits"), ("int4", None, "q4"),
-                                                    ("int4", "nbits", "nbits")])
+@pytest.mark.parametrize("dtype,requested,matmul", [("int8", None, "q8"), ("int4", None, "q4"),
+                                                    ("int4", "nbits", "nbits"), ("int8", "nbits", "nbits")])
 def test_quantized_export_runs(tiny, dtype, requested, matmul):
-    """int4 with the op library: our MatMulQ4 (row-count independent, no padding row) unless
-    --matmul nbits; int8: ORT's MatMulNBits, whose one-row calls get a padding row."""
+    """With the op library: our MatMulQ4 (int4) or MatMulQ8 (int8), row-count independent, no
+    padding row; unless --matmul nbits: ORT's MatMulNBits, whose one-row calls get a padding row."""
     bundle, _ = tiny("llama", dtype=dtype, **({"matmul": requested} if requested else {}))
     model = Model(bundle)
     assert model.bundle.graphs["target"] == {"file": f"target_{dtype}.onnx", "dtype": dtype, "matmul": matmul}
     ops = {node.op_type for node in onnx.load(str(bundle / f"target_{dtype}.onnx"), load_external_data=False).graph.node}
-    assert ("MatMulQ4" in ops, "MatMulNBits" in ops, "MatMul" in ops) == (matmul == "q4", matmul == "nbits", False)
-    assert model.target.min_rows == (1 if matmul == "q4" else 2)
+    own = {"q4": "MatMulQ4", "q8": "MatMulQ8"}
+    assert ops & {"MatMulQ4", "MatMulQ8", "MatMulNBits", "MatMul"} == {own.get(matmul, "MatMulNBits")}
+    assert model.target.min_rows == (2 if matmul == "nbits" else 1)
     result = model.generate("the quick brown fox", max_new_tokens=8)
     assert result.stats.new_tokens >= 1
 
@@ -91,9 +92,12 @@ def test_matmul_choice_is_checked_before_loading():
 
     with pytest.raises(SourceError, match="--matmul q4 needs --dtype int4 and --attention custom"):
         kernel_for("int4", "gqa", "q4")
+    with pytest.raises(SourceError, match="--matmul q8 needs --dtype int8 and --attention custom"):
+        kernel_for("int4", "custom", "q8")
     with pytest.raises(SourceError, match="applies to quantized targets"):
         kernel_for("fp32", "custom", "nbits")
     assert kernel_for("int4", "gqa") == "nbits" and kernel_for("fp32", "custom") is None
+    assert kernel_for("int8", "custom") == "q8" and kernel_for("int8", "gqa") == "nbits"
 
 
 def test_taps_are_the_tapped_layers_outputs(tiny):

@@ -1,0 +1,176 @@
+// The quantized MatMul ops' shared part (quantized_matmul.h): activation quantization (portable
+// and AVX-512, the same bits), the kernel path choice, and the op around an op's tile functions.
+
+#include "quantized_matmul.h"
+
+#include <cmath>
+#include <cstdlib>
+#include <memory>
+#include <sstream>
+#include <string>
+
+#ifdef DFLASH_QMM_X86
+// GCC 12 warns about _mm512_undefined_* inside its own intrinsics (a known false positive).
+#pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
+#endif
+
+namespace dflash {
+namespace {
+
+using QuantizeFn = void (*)(const float* a, int64_t blocks, int8_t* q, float* scale, int32_t* sum);
+
+// Quantize `blocks` consecutive blocks of 32 activations (see quantized_matmul.h).
+void quantize_portable(const float* a, int64_t blocks, int8_t* q, float* scale, int32_t* sum) {
+  for (int64_t blk = 0; blk < blocks; ++blk, a += kQBlock, q += kQBlock) {
+    float amax = 0.0f;
+    for (int64_t k = 0; k < kQBlock; ++k) amax = std::max(amax, std::fabs(a[k]));
+    const float inv = amax > 0.0f ? 127.0f / amax : 0.0f;
+    int32_t s = 0;
+    for (int64_t k = 0; k < kQBlock; ++k) {
+      const float r = std::nearbyint(a[k] * inv);  // the default rounding: to nearest even
+      q[k] = static_cast<int8_t>(std::min(127.0f, std::max(-127.0f, r)));
+      s += q[k];
+    }
+    scale[blk] = amax / 127.0f;
+    sum[blk] = s;
+  }
+}
+
+#ifdef DFLASH_QMM_X86
+// The same arithmetic as quantize_portable: max and products are exact or singly rounded alike,
+// and the conversion rounds to nearest even (the default MXCSR mode); |a * inv| <= 127 needs no clamp.
+__attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a, int64_t blocks, int8_t* q,
+                                                                 float* scale, int32_t* sum) {
+  for (int64_t blk = 0; blk < blocks; ++blk, a += kQBlock, q += kQBlock) {
+    const __m512 x0 = _mm512_loadu_ps(a), x1 = _mm512_loadu_ps(a + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
+    const __m512 inv = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+    scale[blk] = amax / 127.0f;
+    sum[blk] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+  }
+}
+#endif
+
+QuantizeFn quantize_for(KernelPath path) {
+#ifdef DFLASH_QMM_X86
+  if (path == KernelPath::avx512) return quantize_avx512;
+#endif
+  (void)path;
+  return quantize_portable;
+}
+
+struct QuantizedMatMulKernel {
+  const QuantizedFormat* format = nullptr;
+  int64_t K = 0, N = 0;
+  TileFn tile = nullptr;
+  QuantizeFn quantize = nullptr;
+
+  OrtStatusPtr ComputeV2(OrtKernelContext* context) {
+    return guarded(format->name, [&] { Compute(context); });
+  }
+
+  template <typename... Args>
+  [[noreturn]] void fail(const Args&... args) const {
+    fail_in(format->name, args...);
+  }
+
+  void Compute(OrtKernelContext* context) {
+    Ort::KernelContext ctx(context);
+    if (ctx.GetInputCount() != 3 || ctx.GetOutputCount() != 1) fail("expects 3 inputs and 1 output");
+    const auto a = ctx.GetInput(0), weight = ctx.GetInput(1), scales = ctx.GetInput(2);
+    const auto a_shape = a.GetTensorTypeAndShapeInfo().GetShape();
+    if (a_shape.empty() || a_shape.back() != K) fail("input a ", shape_str(a_shape), " must end in K = ", K);
+    const int64_t T = (N + kQTile - 1) / kQTile, KB = K / kQBlock;
+    const std::vector<int64_t> w_want{T, KB, format->tile_bytes}, s_want{T, KB, kQTile};
+    const auto w_shape = weight.GetTensorTypeAndShapeInfo().GetShape();
+    const auto s_shape = scales.GetTensorTypeAndShapeInfo().GetShape();
+    if (w_shape != w_want) fail("weight ", shape_str(w_shape), " must be ", shape_str(w_want), " for K, N = ", K, ", ", N);
+    if (s_shape != s_want) fail("scales ", shape_str(s_shape), " must be ", shape_str(s_want), " for K, N = ", K, ", ", N);
+    int64_t M = 1;
+    for (size_t i = 0; i + 1 < a_shape.size(); ++i) M *= a_shape[i];
+    std::vector<int64_t> y_shape = a_shape;
+    y_shape.back() = N;
+    float* y = ctx.GetOutput(0, y_shape).GetTensorMutableData<float>();
+    if (M == 0) return;
+
+    static thread_local QuantizedRows rows;  // pool threads only read it
+    const int64_t blocks = M * KB;           // rows are KB blocks wide, so all blocks are contiguous
+    rows.q.resize(static_cast<size_t>(M * K));
+    rows.scale.resize(static_cast<size_t>(blocks));
+    rows.sum.resize(static_cast<size_t>(blocks));
+    quantize(a.GetTensorData<float>(), blocks, rows.q.data(), rows.scale.data(), rows.sum.data());
+    const Job job{&rows, weight.GetTensorData<uint8_t>(), scales.GetTensorData<float>(), y, M, K, N,
+                  format->tile_bytes};
+    parallel_for(context, T, [&](int64_t t) { tile(job, t); }, "a tile failed");
+  }
+};
+
+struct QuantizedMatMulOp : Ort::CustomOpBase<QuantizedMatMulOp, QuantizedMatMulKernel, /*WithStatus=*/true> {
+  const QuantizedFormat* format;
+
+  explicit QuantizedMatMulOp(const QuantizedFormat& f) : format(&f) {
+    start_ver_ = 1;
+    end_ver_ = 1;
+  }
+  OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
+    try {
+      Ort::ConstKernelInfo ki(info);
+      auto kernel = std::make_unique<QuantizedMatMulKernel>();
+      kernel->format = format;
+      kernel->K = ki.GetAttribute<int64_t>("K");
+      kernel->N = ki.GetAttribute<int64_t>("N");
+      if (kernel->K <= 0 || kernel->K % kQBlock != 0 || kernel->N <= 0) {
+        std::ostringstream os;
+        os << format->name << ": K = " << kernel->K << " must be a positive multiple of " << kQBlock
+           << " and N = " << kernel->N << " positive";
+        return api.CreateStatus(ORT_INVALID_ARGUMENT, os.str().c_str());
+      }
+      const KernelPath path = best_path();  // chosen once, when the session creates the kernel
+      kernel->tile = format->tile_for(path);
+      kernel->quantize = quantize_for(path);
+      *op_kernel = kernel.release();
+      return nullptr;
+    } catch (const std::exception& e) {
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string(format->name) + ": " + e.what()).c_str());
+    }
+  }
+  const char* GetName() const { return format->name; }
+  const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
+  size_t GetInputTypeCount() const { return 3; }
+  ONNXTensorElementDataType GetInputType(size_t index) const {
+    return index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+  }
+  size_t GetOutputTypeCount() const { return 1; }
+  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+};
+
+}  // namespace
+
+KernelPath best_path() {
+  const char* env = std::getenv("DFLASH_OPS_KERNELS");
+  const std::string cap = env ? env : "";
+  if (cap == "portable") return KernelPath::portable;
+#ifdef DFLASH_QMM_X86
+  __builtin_cpu_init();
+  if (cap != "avx2" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vnni"))
+    return KernelPath::avx512;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return KernelPath::avx2;
+#endif
+  return KernelPath::portable;
+}
+
+const OrtCustomOp* matmul_q4_op() {
+  static QuantizedMatMulOp op(q4_format);
+  return &op;
+}
+
+const OrtCustomOp* matmul_q8_op() {
+  static QuantizedMatMulOp op(q8_format);
+  return &op;
+}
+
+}  // namespace dflash

@@ -1,0 +1,112 @@
+// What the quantized MatMul ops (MatMulQ4 in matmul_q4.cc, MatMulQ8 in matmul_q8.cc) share: the
+// activations quantized per block, the work of one call, row groups, and the op itself (attribute
+// and shape checks, then every tile of 16 columns on ORT's pool). Each op brings its weight layout
+// and its tile paths.
+//
+// Why our own ops and not ORT's MatMulNBits: it takes one kernel for a single row and another for
+// several, and the two round differently, so a one-token decode step and a verify of many rows could
+// choose different tokens (speculation would stop being lossless). Here every row goes through the
+// same sequence of operations whatever the row count -- rows share only the weight loads -- so a
+// row's result is bit-identical for any number of rows, thread count and kernel path.
+//
+// Inputs of both ops
+//   0 a       float [..., K]
+//   1 weight  uint8 [T, K/32, tile bytes]   T = ceil(N/16) tiles of 16 columns, blocks of 32 rows
+//   2 scales  float [T, K/32, 16]           one scale per block and column (padding columns: 0)
+// Attributes: K, N (ints).  Output: y float [..., N].
+//
+// Activations, per row: each block of 32 is quantized to int8 with its own scale sa = max|a| / 127,
+// q = round-to-nearest-even(a * (127 / max|a|)), all in float32 (a zero block gives q = 0, sa = 0).
+// Then y[n] = sum over blocks b in order of fma(float(dot_b), sa_b * scale_bn, acc) from acc = 0,
+// where dot_b is the block's exact integer dot with the stored weights minus their zero point.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "op_support.h"
+
+#if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DFLASH_NO_SIMD_DISPATCH)
+#define DFLASH_QMM_X86 1
+#include <immintrin.h>
+#endif
+
+namespace dflash {
+
+constexpr int64_t kQBlock = 32;  // rows of W (and activations) per quantization block
+constexpr int64_t kQTile = 16;   // columns per tile
+
+// The activations of one call, quantized per row and block. Rows are K/32 blocks wide and stored
+// one after another, so block j of row m is block m * K/32 + j.
+struct QuantizedRows {
+  std::vector<int8_t> q;      // [M][K]
+  std::vector<float> scale;   // [M][K/32]  sa
+  std::vector<int32_t> sum;   // [M][K/32]  the sum of the block's q (for the weights' zero point)
+};
+
+// One call's work. A work item is one tile (16 columns) for every row, so how the columns are
+// split among threads never changes what a row computes.
+struct Job {
+  const QuantizedRows* rows;
+  const uint8_t* weight;
+  const float* scales;
+  float* y;
+  int64_t M, K, N, tile_bytes;
+
+  int64_t blocks() const { return K / kQBlock; }
+  const uint8_t* tile_block(int64_t t, int64_t b) const { return weight + (t * blocks() + b) * tile_bytes; }
+  const float* tile_scales(int64_t t, int64_t b) const { return scales + (t * blocks() + b) * kQTile; }
+  int64_t width(int64_t t) const { return std::min(kQTile, N - t * kQTile); }  // real columns of tile t
+};
+
+using TileFn = void (*)(const Job&, int64_t t);
+
+// A tile for R rows at once, rows m0..m0+R-1: each tile-block is loaded (and unpacked) once per
+// group of rows, not once per row.
+using RowsFn = void (*)(const Job&, int64_t t, int64_t m0);
+
+// One tile for every row: full groups of R rows, then one smaller group for the rest.
+template <int R>
+void tile_in_row_groups(const Job& job, int64_t t, const RowsFn (&rows)[R + 1]) {
+  int64_t m = 0;
+  for (; m + R <= job.M; m += R) rows[R](job, t, m);
+  if (job.M > m) rows[job.M - m](job, t, m);
+}
+
+// Which tile path to run: the best this CPU has unless DFLASH_OPS_KERNELS=portable|avx2 caps it
+// (the tests run every path with it).
+enum class KernelPath { portable, avx2, avx512 };
+KernelPath best_path();
+
+// Four consecutive int8 activations as one 32-bit lane value, to broadcast to every column. Read
+// from memory (not from a register) so the compiler folds it into the instruction as a broadcast
+// load: a broadcast from a general register costs a vector uop per use, as many as the dot itself.
+inline int32_t quad_at(const int8_t* q) {
+  int32_t v;
+  std::memcpy(&v, q, sizeof v);
+  return v;
+}
+
+#ifdef DFLASH_QMM_X86
+// An empty asm that claims to change v: the compiler must hold v in a register here. Without it GCC
+// regroups a row group's int16 additions into a tree over the whole block (integer sums may be
+// reordered), which needs more than 16 registers and spills the products to the stack.
+__attribute__((target("avx2"))) inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
+#endif
+
+// An op's format: its name, the bytes of one tile-block, and its tile function for a path.
+struct QuantizedFormat {
+  const char* name;
+  int64_t tile_bytes;
+  TileFn (*tile_for)(KernelPath);
+};
+
+extern const QuantizedFormat q4_format;  // matmul_q4.cc
+extern const QuantizedFormat q8_format;  // matmul_q8.cc
+
+const OrtCustomOp* matmul_q4_op();
+const OrtCustomOp* matmul_q8_op();
+
+}  // namespace dflash
