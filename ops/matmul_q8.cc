@@ -141,17 +141,12 @@ const RowsFn rows_avx2_fns[kRowsAvx2 + 1] = {nullptr, rows_avx2<1>, rows_avx2<2>
 void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t, rows_avx2_fns); }
 #endif
 
-TileFn tile_for(KernelPath path) {
-#ifdef DFLASH_QMM_X86
-  if (path == KernelPath::avx512) return tile_avx512;
-  if (path == KernelPath::avx2) return tile_avx2;
-#endif
-  (void)path;
-  return tile_portable;
-}
-
 }  // namespace
 
-const QuantizedFormat q8_format{"MatMulQ8", kTileBytes, tile_for};
+#ifdef DFLASH_QMM_X86
+const QuantizedFormat q8_format{"MatMulQ8", kTileBytes, tile_portable, tile_avx2, tile_avx512};
+#else
+const QuantizedFormat q8_format{"MatMulQ8", kTileBytes, tile_portable, nullptr, nullptr};
+#endif
 
 }  // namespace dflash

@@ -96,11 +96,18 @@ inline int32_t quad_at(const int8_t* q) {
 __attribute__((target("avx2"))) inline void keep_in_register(__m256i& v) { asm("" : "+x"(v)); }
 #endif
 
-// An op's format: its name, the bytes of one tile-block, and its tile function for a path.
+// An op's format: its name, the bytes of one tile-block, and its tile function per path (the
+// AVX2 and AVX-512 ones are null in a build without them).
 struct QuantizedFormat {
   const char* name;
   int64_t tile_bytes;
-  TileFn (*tile_for)(KernelPath);
+  TileFn portable, avx2, avx512;
+
+  TileFn tile_for(KernelPath path) const {
+    if (path == KernelPath::avx512 && avx512) return avx512;
+    if (path != KernelPath::portable && avx2) return avx2;
+    return portable;
+  }
 };
 
 extern const QuantizedFormat q4_format;  // matmul_q4.cc

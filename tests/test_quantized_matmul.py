@@ -1,0 +1,154 @@
+"""MatMulQ4 and MatMulQ8 (ops/matmul_q4.cc, ops/matmul_q8.cc): bit-identical to their numpy
+references on every kernel path, each row the same whatever the row count and thread count (the
+lossless guarantee), clean errors for bad weights. Each packing is checked on its own."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import pytest
+
+from dflash.ops import models, reference
+
+from test_ops import ORT_ERRORS, lib, session  # noqa: F401  (fixture and helpers)
+
+PATHS = [None, "avx2", "portable"]  # None: the best the CPU has
+
+
+@dataclass
+class Op:
+    name: str
+    bits: int
+    tile_bytes: int
+    error: float  # |y - a @ w| allowed, per sqrt(K): the weights' rounding
+
+    def pack(self, w):
+        return getattr(reference, f"pack_q{self.bits}")(w)
+
+    def reference(self, a, packed, scales, N):
+        return getattr(reference, f"matmul_q{self.bits}")(a, packed, scales, N)
+
+    def model(self, K, N, packed, scales, a_shape=("M", None)):
+        """The one-node model with input a [*a_shape] (None: K)."""
+        one_node = getattr(models, f"q{self.bits}_model")
+        return one_node(K, N, packed, scales, [K if d is None else d for d in a_shape])
+
+
+OPS = [Op("MatMulQ4", 4, 256, 0.05), Op("MatMulQ8", 8, 512, 0.01)]
+by_name = pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
+
+
+def random_weights(rng, K, N):
+    w = rng.standard_normal((K, N)).astype(np.float32) * 0.05
+    w[:32, 0] = 0.0  # an all-zero block: scale 0
+    return w
+
+
+def weight_steps(scales, N):
+    """Each weight's quantization step [K, N] from scales [T, KB, 16]."""
+    T, KB, _ = scales.shape
+    return np.abs(np.repeat(scales.transpose(1, 0, 2).reshape(KB, T * 16), 32, axis=0)[:, :N])
+
+
+def test_q4_packing_round_trips_within_a_step():
+    rng = np.random.default_rng(0)
+    w = random_weights(rng, 96, 40)
+    packed, scales = reference.pack_q4(w)
+    assert packed.shape == (3, 3, 256) and scales.shape == (3, 3, 16)
+    assert not scales[2, :, 8:].any()  # the padding columns of the last tile
+    step = weight_steps(scales, 40)
+    err = np.abs(reference.unpack_q4(packed, scales, 40) - w)
+    assert (err <= step / 2 + 1e-7).mean() > 0.99  # rounding; only a +8 clipped to 7 is a full step off
+    assert (err <= step + 1e-7).all()
+
+
+def test_q8_packing_round_trips_within_half_a_step():
+    rng = np.random.default_rng(0)
+    w = random_weights(rng, 96, 40)
+    packed, scales = reference.pack_q8(w)
+    assert packed.shape == (3, 3, 512) and scales.shape == (3, 3, 16)
+    assert not scales[2, :, 8:].any() and (packed.reshape(3, 3, 8, 16, 4)[2, :, :, 8:] == 128).all()
+    assert (np.abs(reference.unpack_q8(packed, scales, 40) - w) <= weight_steps(scales, 40) / 2 + 1e-7).all()
+    assert packed.min() == 0  # a block's largest-magnitude weight lands on -128 when it is negative
+
+
+@by_name
+@pytest.mark.parametrize("kernels", PATHS)
+def test_matches_reference_bit_for_bit(lib, monkeypatch, op, kernels):
+    if kernels:
+        monkeypatch.setenv("DFLASH_OPS_KERNELS", kernels)
+    rng = np.random.default_rng(1)
+    for K, N, M in [(32, 16, 1), (576, 200, 5), (1536, 64, 9), (64, 33, 4), (96, 7, 13)]:
+        w = random_weights(rng, K, N)
+        packed, scales = op.pack(w)
+        a = rng.standard_normal((M, K)).astype(np.float32)
+        a[0, 32:64] = 0.0  # an all-zero activation block
+        y = session(op.model(K, N, packed, scales), threads=2).run(None, {"a": a})[0]
+        np.testing.assert_array_equal(y, op.reference(a, packed, scales, N))
+        assert np.abs(y - a @ w).max() < op.error * np.sqrt(K)  # and it is a matmul
+
+
+@by_name
+@pytest.mark.parametrize("kernels", PATHS)
+def test_every_row_count_and_tile_edge_matches_the_reference(lib, monkeypatch, op, kernels):
+    """1..33 rows cover every row group of the register-blocked kernels (8 rows on AVX-512, 4 on
+    AVX2) with every remainder, at N with a partial last tile (and within one tile) and several K;
+    1 and 2 threads."""
+    if kernels:
+        monkeypatch.setenv("DFLASH_OPS_KERNELS", kernels)
+    rng = np.random.default_rng(5)
+    for K, N, threads in [(32, 7, 1), (96, 40, 2), (576, 33, 2), (160, 75, 1)]:
+        packed, scales = op.pack(random_weights(rng, K, N))
+        a = rng.standard_normal((40, K)).astype(np.float32)
+        a[5, :32] = 0.0  # an all-zero activation block
+        ref = op.reference(a, packed, scales, N)
+        sess = session(op.model(K, N, packed, scales), threads=threads)
+        for M in range(1, 34):
+            start = (7 * M) % (41 - M)  # the rows at varying places within the row groups
+            np.testing.assert_array_equal(sess.run(None, {"a": a[start:start + M]})[0], ref[start:start + M],
+                                          err_msg=f"K={K} N={N} M={M} rows {start}..")
+
+
+@pytest.mark.parametrize("kernels", PATHS)
+def test_q8_extreme_weights_and_activations_stay_exact(lib, monkeypatch, kernels):
+    """Every u in 0..255 against activations of +-127: the integer sums are largest there (the
+    AVX2 path sums nibble products in 16 bits)."""
+    if kernels:
+        monkeypatch.setenv("DFLASH_OPS_KERNELS", kernels)
+    K, N = 64, 48
+    rng = np.random.default_rng(5)
+    packed = rng.choice(np.array([0, 1, 127, 128, 254, 255], np.uint8), size=(3, 2, 512))
+    packed[0, 0] = 255
+    packed[0, 1] = 0
+    scales = rng.standard_normal((3, 2, 16)).astype(np.float32)
+    a = np.sign(rng.standard_normal((6, K))).astype(np.float32)  # all +-1: every q is +-127
+    a[1] = 1.0
+    a[2] = -1.0
+    y = session(models.q8_model(K, N, packed, scales, ["M", K])).run(None, {"a": a})[0]
+    np.testing.assert_array_equal(y, reference.matmul_q8(a, packed, scales, N))
+
+
+@by_name
+def test_leading_dimensions_and_empty_input(lib, op):
+    rng = np.random.default_rng(3)
+    packed, scales = op.pack(random_weights(rng, 64, 32))
+    sess = session(op.model(64, 32, packed, scales, a_shape=(1, "S", None)))
+    a = rng.standard_normal((1, 3, 64)).astype(np.float32)
+    np.testing.assert_array_equal(sess.run(None, {"a": a})[0], op.reference(a, packed, scales, 32))
+    assert sess.run(None, {"a": np.zeros((1, 0, 64), np.float32)})[0].shape == (1, 0, 32)
+
+
+@by_name
+def test_bad_inputs_are_clean_errors(lib, op):
+    rng = np.random.default_rng(4)
+    packed, scales = op.pack(random_weights(rng, 64, 32))
+    one_row = {"a": np.zeros((1, 64), np.float32)}
+    with pytest.raises(ORT_ERRORS, match=rf"{op.name}: weight \[2,2,{op.tile_bytes}\] must be \[3,2,{op.tile_bytes}\]"):
+        session(op.model(64, 48, packed, np.zeros((3, 2, 16), np.float32))).run(None, one_row)
+    with pytest.raises(ORT_ERRORS, match=rf"{op.name}: scales \[2,2,8\] must be \[2,2,16\]"):
+        session(op.model(64, 32, packed, scales[:, :, :8].copy())).run(None, one_row)
+    with pytest.raises(ORT_ERRORS, match=rf"{op.name}: input a \[1,32\] must end in K = 64"):
+        session(op.model(64, 32, packed, scales, a_shape=("M", "K"))).run(None, {"a": np.zeros((1, 32), np.float32)})
+    with pytest.raises(ORT_ERRORS, match=f"{op.name}: K = 48 must be a positive multiple of 32"):
+        session(op.model(48, 32, packed, scales))
