@@ -35,8 +35,13 @@ $(BUNDLE)/dflash.json: | $(VENV)/.installed
 $(BUNDLE)/drafter.onnx: | $(BUNDLE)/dflash.json
 	$(BIN)/dflash-export drafter default --target $(BUNDLE)
 
+# The suffix drafter's corpus: the default model's own answers from the drafter campaign
+# (committed in campaign/); order-only, since adding it rewrites dflash.json.
+$(BUNDLE)/suffix_corpus.npy: | $(BUNDLE)/dflash.json
+	$(BIN)/dflash-export corpus campaign/smollm2/answers --target $(BUNDLE)
+
 # Speculative decoding with the DFlash drafter, then the same prompt without it: both speeds.
-demo: ops $(BUNDLE)/dflash.json $(BUNDLE)/drafter.onnx
+demo: ops $(BUNDLE)/dflash.json $(BUNDLE)/drafter.onnx $(BUNDLE)/suffix_corpus.npy
 	$(BIN)/dflash-generate --bundle $(BUNDLE) --prompt "$(PROMPT)" --max-new-tokens 128 \
 		--drafter $(DRAFTER) --compare --stats
 

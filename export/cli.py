@@ -161,14 +161,10 @@ def export_draft_lm(src, target_dir, self_dtype=None, dtype="fp32"):
     """Export the drafter as a complete bundle in a subfolder of the target bundle (named
     as the drafter) and list it in the target's manifest."""
     from . import sources
-    from .bundle import MANIFEST, write_manifest
+    from .bundle import write_manifest
 
     target_dir = Path(target_dir)
-    try:
-        manifest = json.loads((target_dir / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SourceError(f"{target_dir} is not a readable dflash bundle ({e}); export the target first "
-                          "with `dflash-export target`")
+    manifest = read_target_manifest(target_dir)
     if (src is None) == (self_dtype is None):
         raise SourceError("give either SRC (a draft model) or --self int4|int8 (the target quantized)")
     name = f"self-{self_dtype}" if self_dtype else "draft-lm"
@@ -212,17 +208,13 @@ def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()
     import shutil
 
     from . import sources
-    from .bundle import MANIFEST, disk_full, write_manifest
+    from .bundle import disk_full, write_manifest
     from .dflash import DFlashDrafter, export_onnx
     from .quantize import quantize
 
     target_dir = Path(target_dir)
     progress = Progress(4 + (dtype != "fp32") + bool(draft_vocab))
-    try:
-        manifest = json.loads((target_dir / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError) as e:
-        raise SourceError(f"{target_dir} is not a readable dflash bundle ({e}); export the target first "
-                          "with `dflash-export target`")
+    manifest = read_target_manifest(target_dir)
     if src == "default":
         src = DEFAULT_DRAFTER
         if not (src / "config.json").is_file():
@@ -278,6 +270,66 @@ def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()
                                                        "heads": c.heads, "head_dim": c.head_dim},
                           "export_check": {"logits": diff}}
     write_manifest(target_dir, manifest)
+    return manifest
+
+
+def read_target_manifest(target_dir: Path) -> dict:
+    """The manifest of the target bundle a drafter or corpus is added to."""
+    from .bundle import MANIFEST
+
+    try:
+        return json.loads((Path(target_dir) / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise SourceError(f"{target_dir} is not a readable dflash bundle ({e}); export the target first "
+                          "with `dflash-export target`")
+
+
+@main.command("corpus")
+@click.argument("data", nargs=-1, required=True, type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--target", "target_dir", required=True, type=click.Path(path_type=Path),
+              help="the target bundle the corpus is added to")
+def corpus(data, target_dir):
+    """Add the `suffix` drafter's corpus to a target bundle: the answers in the shard folders DATA
+    (written by `dflash-train data` with this target, e.g. campaign/smollm2/answers)."""
+    try:
+        export_corpus(data, target_dir)
+    except SourceError as e:
+        raise click.ClickException(str(e))
+
+
+CORPUS_FILE = "suffix_corpus.npy"
+
+
+def export_corpus(folders, target_dir) -> dict:
+    """Write the answers of the shard `folders` as one int32 array (answers separated by -1) into
+    the target bundle and list it in the manifest."""
+    import numpy as np
+
+    from dflash.runtime.suffix import END
+    from dflash.train.shards import read_all
+
+    from .bundle import write_manifest
+
+    target_dir = Path(target_dir)
+    manifest = read_target_manifest(target_dir)
+    answers = [row["answer"] for folder in folders for row in read_all(Path(folder))]
+    if not answers:
+        raise SourceError(f"no answer shards (shard-*.npz) in {', '.join(map(str, folders))}; "
+                          "write some with `dflash-train data`")
+    tokens = np.concatenate([np.append(np.asarray(a, np.int32), END) for a in answers])
+    from tokenizers import Tokenizer
+
+    vocab = Tokenizer.from_file(str(target_dir / manifest["tokenizer"])).get_vocab_size()
+    if tokens.max() >= vocab:
+        raise SourceError(f"the answers hold token id {tokens.max()} but {target_dir}'s tokenizer has "
+                          f"{vocab} tokens: they were written by another target")
+    np.save(target_dir / CORPUS_FILE, tokens)
+    manifest.pop("format_version", None)
+    manifest["suffix_corpus"] = {"file": CORPUS_FILE, "answers": len(answers),
+                                 "tokens": int(len(tokens) - len(answers))}
+    write_manifest(target_dir, manifest)
+    click.echo(f"suffix corpus of {len(answers)} answers ({len(tokens) - len(answers)} tokens) added to "
+               f"{target_dir}", err=True)
     return manifest
 
 

@@ -200,7 +200,7 @@ class HybridDrafter(Drafter):
         draft = self.dflash.propose(history, room)
         self.main = self.dflash.main
         copied = self.lookup.propose(history, room - len(draft))
-        if self.lookup.match < self.LOOKUP_MIN_MATCH:
+        if not self._lookup_branch():
             return draft
         children = {(p, t): node for node, (t, p) in enumerate(zip(draft.tokens, draft.parents))}
         parent, self.copied = -1, []
@@ -216,5 +216,10 @@ class HybridDrafter(Drafter):
 
     def observe(self, draft: Draft, rows: list[int], draft_ms: float, verify_ms: float) -> None:
         self.dflash.observe(draft, rows, draft_ms, verify_ms)
-        if self.lookup.match >= self.LOOKUP_MIN_MATCH and self.copied:
-            self.lookup.by_match[self.lookup.match].observe(len(self.copied), accepted_along(rows, self.copied))
+        if self._lookup_branch() and self.copied:
+            self.lookup.by_source[self.lookup.source].observe(len(self.copied), accepted_along(rows, self.copied))
+
+    def _lookup_branch(self) -> bool:
+        """Whether the last lookup draft earns its rows: a match of 2+ tokens, or the corpus's."""
+        source = self.lookup.source
+        return source == "corpus" or source >= self.LOOKUP_MIN_MATCH

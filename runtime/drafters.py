@@ -14,6 +14,7 @@ import numpy as np
 
 from .policy import MAX_DRAFT, Acceptance, Policy
 from .speculative import Draft, accepted_along
+from .suffix import SuffixIndex
 
 
 class Drafter:
@@ -48,23 +49,32 @@ def lookup_draft(tokens: list[int], k: int, max_ngram: int = 3) -> tuple[list[in
 
 
 class LookupDrafter(Drafter):
-    """Copies what followed an earlier occurrence of the latest n-gram (no model)."""
+    """Copies what followed an earlier occurrence of the latest n-gram (no model). With a
+    `corpus` (the `suffix` drafter), where the prompt offers fewer than 2 tokens to match, it
+    drafts from the target's earlier answers instead (runtime/suffix.py)."""
 
-    def __init__(self, policy: Policy, max_ngram: int = 3):
+    def __init__(self, policy: Policy, max_ngram: int = 3, corpus: SuffixIndex | None = None):
         super().__init__(policy)
         self.max_ngram = max_ngram
-        # Longer matches continue correctly more often: one acceptance record per match length.
-        self.by_match = {n: Acceptance() for n in range(1, max_ngram + 1)}
-        self.match = 0
+        self.corpus = corpus
+        # Longer matches continue correctly more often: one acceptance record per match length,
+        # and one for the corpus's drafts.
+        self.by_source = {n: Acceptance() for n in (*range(1, max_ngram + 1), "corpus")}
+        self.source: int | str = 0
 
     def propose(self, history: list[int], room: int) -> Draft:
-        tokens, self.match = lookup_draft(history, min(room, MAX_DRAFT), self.max_ngram)
-        k = self.policy.chain_length(self.by_match[self.match], 0.0, len(tokens)) if tokens else 0
+        limit = min(room, MAX_DRAFT)
+        tokens, self.source = lookup_draft(history, limit, self.max_ngram)
+        if self.corpus is not None and self.source < 2:
+            from_corpus = self.corpus.draft(history)[:limit]
+            if from_corpus:
+                tokens, self.source = from_corpus, "corpus"
+        k = self.policy.chain_length(self.by_source[self.source], 0.0, len(tokens)) if tokens else 0
         self.main = list(range(k))
         return Draft.chain(tokens[:k])
 
     def _acceptance(self) -> Acceptance:
-        return self.by_match[self.match]
+        return self.by_source[self.source]
 
 
 class Calibration:

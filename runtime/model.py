@@ -13,6 +13,7 @@ import numpy as np
 from .bundle import BundleError, load_bundle
 from .dflash import DFlashDrafter, DrafterSession, HybridDrafter
 from .drafters import Drafter, LookupDrafter, ModelDrafter
+from .suffix import SuffixIndex
 from .policy import Policy, VerifyCost
 from .sampling import Sampler, SamplingParams
 from .speculative import speculative_steps
@@ -96,15 +97,19 @@ class Model:
         self._draft_models: dict[str, Target] = {}
         self._dflash: DrafterSession | None = None
         self._drafters: dict[tuple, Drafter] = {}
+        self._suffix_index: SuffixIndex | None = None
 
     @property
     def drafters(self) -> list[str]:
-        """The drafters this bundle supports: "lookup", and for each draft model in the
+        """The drafters this bundle supports: "lookup", "suffix" when it has a corpus of the
+        target's answers, the DFlash ones when it has a drafter graph, and for each draft model in the
         bundle ("draft-lm", "self-int4", ...) its chain and its tree ("draft-lm-tree").
         None on a bundle exported with `--attention gqa|onnx` (see `lossless_attention`)."""
         if not self.lossless_attention:
             return []
         names = ["lookup"]
+        if "suffix_corpus" in self.bundle.manifest:
+            names.append("suffix")
         if "drafter" in self.bundle.graphs:
             names += ["dflash", "dflash-tree", "dflash-hybrid"]
         for name in self.bundle.manifest.get("drafters", {}):
@@ -137,15 +142,15 @@ class Model:
             if self._cost is None:  # scratch rows: only ever before a generation's prefill
                 self._cost = VerifyCost.measure(self.target)
             policy = Policy(self._cost, draft_len)
-            if name == "lookup":
-                self._drafters[key] = LookupDrafter(policy)
+            if name in ("lookup", "suffix"):
+                self._drafters[key] = LookupDrafter(policy, corpus=self._corpus() if name == "suffix" else None)
             elif name.startswith("dflash"):
                 if self._dflash is None:
                     threads = len(self.draft_cores) if self.draft_cores else self.threads
                     self._dflash = DrafterSession(self.bundle, threads, self.draft_cores)
                 dflash = DFlashDrafter(policy, self._dflash, tree=name != "dflash")
                 if name == "dflash-hybrid":
-                    dflash = HybridDrafter(policy, dflash, LookupDrafter(policy))
+                    dflash = HybridDrafter(policy, dflash, LookupDrafter(policy, corpus=self._corpus()))
                 self._drafters[key] = dflash
             else:
                 tree = name.endswith("-tree")
@@ -153,12 +158,25 @@ class Model:
                 self._drafters[key] = ModelDrafter(policy, model, tree)
         return self._drafters[key]
 
+    def _corpus(self) -> SuffixIndex | None:
+        """The suffix drafter's index of the bundle's corpus (built once, ~1 s per million tokens),
+        or None if the bundle has no corpus."""
+        entry = self.bundle.manifest.get("suffix_corpus")
+        if entry is None:
+            return None
+        if self._suffix_index is None:
+            self._suffix_index = SuffixIndex(np.load(self.bundle.folder / entry["file"]))
+        return self._suffix_index
+
     def _how_to_add(self, name: str) -> str:
         """The export command that adds the drafter `name` to this bundle."""
         folder = self.bundle.folder
         if name.startswith("dflash"):
             return (f"add a DFlash drafter with `dflash-export drafter default --target {folder}` (the default "
                     f"model's trained drafter) or `dflash-export drafter DRAFTER_FOLDER --target {folder}`")
+        if name == "suffix":
+            return (f"add its corpus of the target's own answers with `dflash-export corpus ANSWERS_FOLDER "
+                    f"--target {folder}` (the default model's: campaign/smollm2/answers)")
         if name.startswith("self-"):
             dtype = name.removeprefix("self-").removesuffix("-tree")
             return f"add it with `dflash-export draft-lm --self {dtype} --target {folder}`"

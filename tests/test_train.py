@@ -159,9 +159,10 @@ def test_missing_data_is_a_clear_error(tmp_path):
 
 
 def test_suffix_corpus_drafts_the_majority_continuation_and_saves_steps():
-    from dflash.train.copying import SuffixCorpus, simulate
+    from dflash.runtime.suffix import SuffixIndex
+    from dflash.train.copying import simulate
 
-    corpus = SuffixCorpus([[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 5, 7], [8, 2, 3, 4, 5, 6]])
+    corpus = SuffixIndex.from_answers([[1, 2, 3, 4, 5, 6], [9, 2, 3, 4, 5, 7], [8, 2, 3, 4, 5, 6]])
     assert corpus.draft([0, 0, 2, 3]) == [4, 5, 6]  # 6 follows twice, 7 once
     assert corpus.draft([0, 0, 11]) == []
     answer = [2, 3, 4, 5, 6]

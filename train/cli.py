@@ -125,10 +125,12 @@ def copying(bundle, data_dirs, prompts, max_new_tokens, json_out):
     from dflash.runtime import Model
 
     from . import shards
-    from .copying import SuffixCorpus, measure
+    from dflash.runtime.suffix import SuffixIndex
+
+    from .copying import measure
 
     answers = [r["answer"] for d in data_dirs for r in shards.read_all(d)]
-    corpus = SuffixCorpus(answers)
+    corpus = SuffixIndex.from_answers(answers)
     model = Model(bundle)
     held_out = []
     for row in load_prompts(prompts or BENCHMARK):

@@ -1,0 +1,86 @@
+"""Drafting from a corpus of the target's earlier answers (SuffixDecoding / REST).
+
+Where prompt lookup finds nothing to copy, the `suffix` drafter looks the last 8, 6, 4, 3 or 2
+tokens up in a corpus of answers the target itself wrote (for the default model: the drafter
+campaign's answers, shipped in the bundle as `suffix_corpus.npy`) and drafts the continuation most
+of their latest occurrences share, token by token. Drafts are verified like any other, so the
+output stays the target's own; the corpus only decides how often a draft is right.
+
+The index is numpy only: per suffix length, a hash of every window that has a continuation,
+sorted, looked up with searchsorted, and every hit checked against the tokens (a hash collision
+never drafts from a wrong place).
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import numpy as np
+
+ORDERS = (8, 6, 4, 3, 2)  # suffix lengths tried, longest first
+KEEP = 64                 # latest occurrences of a suffix that vote on its continuation
+DRAFT = 8                 # longest continuation drafted
+END = -1                  # separates answers in the corpus: no continuation runs past it
+_MULT = np.uint64(0x9E3779B97F4A7C15)
+
+
+def _hash(windows: np.ndarray) -> np.ndarray:
+    """A 64-bit hash of each row of `windows` [n, order] (int64 token ids)."""
+    h = np.zeros(len(windows), np.uint64)
+    for column in windows.T:
+        h = (h ^ column.astype(np.uint64)) * _MULT
+    return h
+
+
+class SuffixIndex:
+    """Every 2..8-token window of `tokens` (answers separated by -1) that some token follows."""
+
+    def __init__(self, tokens: np.ndarray):
+        self.tokens = np.asarray(tokens, np.int64)
+        self.keys: dict[int, np.ndarray] = {}
+        self.ends: dict[int, np.ndarray] = {}
+        ended = np.concatenate([[0], np.cumsum(self.tokens == END)])  # separators before each index
+        for n in ORDERS:
+            end = np.arange(n, len(self.tokens))  # window tokens[end-n:end], continuation tokens[end]
+            ok = (ended[end] == ended[end - n]) & (self.tokens[end] != END)
+            end = end[ok]
+            windows = self.tokens[end[:, None] - n + np.arange(n)]
+            keys = _hash(windows)
+            order = np.argsort(keys, kind="stable")  # equal keys stay oldest first
+            self.keys[n], self.ends[n] = keys[order], end[order]
+
+    @classmethod
+    def from_answers(cls, answers: list[list[int]]) -> "SuffixIndex":
+        flat = [t for answer in answers for t in [*answer, END]]
+        return cls(np.array(flat, np.int64))
+
+    def draft(self, history: list[int]) -> list[int]:
+        """The continuation of the longest suffix of `history` found, followed token by token
+        along its most common next token among the latest KEEP occurrences; [] if none."""
+        for n in ORDERS:
+            if len(history) < n:
+                continue
+            tail = np.array(history[-n:], np.int64)
+            key = _hash(tail[None, :])[0]
+            keys = self.keys[n]
+            ends = self.ends[n][np.searchsorted(keys, key, "left"):np.searchsorted(keys, key, "right")]
+            ends = ends[(self.tokens[ends[:, None] - n + np.arange(n)] == tail).all(axis=1)]
+            if len(ends):
+                return self._vote([self._continuation(int(e)) for e in ends[-KEEP:]])
+        return []
+
+    def _continuation(self, end: int) -> list[int]:
+        following = self.tokens[end:end + DRAFT].tolist()
+        return following[:following.index(END)] if END in following else following
+
+    @staticmethod
+    def _vote(candidates: list[list[int]]) -> list[int]:
+        out = []
+        for depth in range(DRAFT):
+            counts = Counter(c[depth] for c in candidates if len(c) > depth)
+            if not counts:
+                break
+            token = counts.most_common(1)[0][0]  # ties: the first seen, as Counter keeps insertion order
+            out.append(token)
+            candidates = [c for c in candidates if len(c) > depth and c[depth] == token]
+        return out
