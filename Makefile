@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 BUNDLE := bundles/smollm2
 PROMPT ?= Explain in three sentences why the sky is blue.
-DRAFTER ?= dflash-hybrid
+DRAFTER ?= suffix
 
 .PHONY: demo test ops bench clean
 
@@ -40,7 +40,7 @@ $(BUNDLE)/drafter.onnx: | $(BUNDLE)/dflash.json
 $(BUNDLE)/suffix_corpus.npy: | $(BUNDLE)/dflash.json
 	$(BIN)/dflash-export corpus campaign/smollm2/answers --target $(BUNDLE)
 
-# Speculative decoding with the DFlash drafter, then the same prompt without it: both speeds.
+# Speculative decoding (the suffix drafter by default), then the same prompt without it: both speeds.
 demo: ops $(BUNDLE)/dflash.json $(BUNDLE)/drafter.onnx $(BUNDLE)/suffix_corpus.npy
 	$(BIN)/dflash-generate --bundle $(BUNDLE) --prompt "$(PROMPT)" --max-new-tokens 128 \
 		--drafter $(DRAFTER) --compare --stats
