@@ -304,6 +304,7 @@ def export_corpus(folders, target_dir) -> dict:
     """Write the answers of the shard `folders` as one int32 array (answers separated by -1) into
     the target bundle and list it in the manifest."""
     import numpy as np
+    from tokenizers import Tokenizer
 
     from dflash.runtime.suffix import END
     from dflash.train.shards import read_all
@@ -317,8 +318,6 @@ def export_corpus(folders, target_dir) -> dict:
         raise SourceError(f"no answer shards (shard-*.npz) in {', '.join(map(str, folders))}; "
                           "write some with `dflash-train data`")
     tokens = np.concatenate([np.append(np.asarray(a, np.int32), END) for a in answers])
-    from tokenizers import Tokenizer
-
     vocab = Tokenizer.from_file(str(target_dir / manifest["tokenizer"])).get_vocab_size()
     if tokens.max() >= vocab:
         raise SourceError(f"the answers hold token id {tokens.max()} but {target_dir}'s tokenizer has "

@@ -13,10 +13,10 @@ import numpy as np
 from .bundle import BundleError, load_bundle
 from .dflash import DFlashDrafter, DrafterSession, HybridDrafter
 from .drafters import Drafter, LookupDrafter, ModelDrafter
-from .suffix import SuffixIndex
 from .policy import Policy, VerifyCost
 from .sampling import Sampler, SamplingParams
 from .speculative import speculative_steps
+from .suffix import SuffixIndex
 from .target import Target
 from .text import StopMatcher, StreamDecoder, TextCodec
 
