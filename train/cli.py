@@ -123,10 +123,9 @@ def copying(bundle, data_dirs, prompts, max_new_tokens, json_out):
     adds acceptance over prompt lookup on held-out prompts (see dflash/train/copying.py)."""
     from dflash.bench.prompts import BENCHMARK, load_prompts
     from dflash.runtime import Model
-
-    from . import shards
     from dflash.runtime.suffix import SuffixIndex
 
+    from . import shards
     from .copying import measure
 
     answers = [r["answer"] for d in data_dirs for r in shards.read_all(d)]
