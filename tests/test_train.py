@@ -147,6 +147,30 @@ def test_label_cache_resumes_where_it_stopped(tmp_path):
             assert torch.equal(a, b)
 
 
+def test_label_cache_grows_when_data_is_appended(tmp_path):
+    from tiny_models import make_model, make_tokenizer
+
+    from dflash.train.fit import LabelCache
+
+    model = make_model("llama", len(make_tokenizer()), layers=4)
+    rows = [{"id": f"r{i}", "prompt": [1, 5, 6], "answer": list(range(7, 7 + 5 + i))} for i in range(5)]
+    d2t = torch.arange(0, 200, 2)
+    whole = LabelCache(tmp_path / "a", rows, [1, 2], 64, d2t)
+    whole.build(model, rows, echo=lambda m: None)
+    first = LabelCache(tmp_path / "b", rows[:3], [1, 2], 64, d2t)
+    first.build(model, rows[:3], echo=lambda m: None)
+    assert torch.equal(LabelCache.vocabulary(tmp_path / "b", 100), d2t)
+    assert LabelCache.vocabulary(tmp_path / "b", 50) is None  # another size: a new vocabulary
+    grown = LabelCache(tmp_path / "b", rows, [1, 2], 64, d2t)
+    assert grown.done == 3  # the first three rows are kept, only the new ones are labelled
+    grown.build(model, rows, echo=lambda m: None)
+    for i in range(5):
+        for a, b in zip(whole.sequence(i), grown.sequence(i)):
+            assert torch.equal(a, b)
+    other = LabelCache(tmp_path / "b", rows[1:], [1, 2], 64, d2t)  # not a prefix: rebuilt
+    assert other.done == 0
+
+
 def test_missing_data_is_a_clear_error(tmp_path):
     from click.testing import CliRunner
 
