@@ -97,3 +97,58 @@ def save_dflash_folder(folder: Path, hidden_size: int, target_layers: int, taps:
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
     return folder
+
+
+def save_eagle3_folder(folder: Path, hidden_size: int, vocab_size: int, layout: str = "reference",
+                       aux_ids: list[int] | None = None, draft_vocab: int | None = None, heads: int = 4,
+                       kv_heads: int = 2, head_dim: int = 16, seed: int = 0, std: float = 0.2) -> Path:
+    """A random EAGLE-3 head: the reference layout (`midlayer.*`, a plain Llama config plus
+    draft_vocab_size) or the speculators one (`layers.0.*`, a nested transformer_layer_config).
+    With `draft_vocab`, the head scores that many target ids (every other one) through d2t."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(seed)
+
+    def w(*shape):
+        return torch.randn(*shape, generator=g) * std
+
+    def norm(n):
+        return 1 + torch.randn(n, generator=g) * 0.1
+
+    h, q, kv, inter = hidden_size, heads * head_dim, kv_heads * head_dim, 2 * hidden_size
+    vd = draft_vocab or vocab_size
+    layer = {"input_layernorm.weight": norm(h), "hidden_norm.weight": norm(h),
+             "post_attention_layernorm.weight": norm(h),
+             "self_attn.q_proj.weight": w(q, 2 * h), "self_attn.k_proj.weight": w(kv, 2 * h),
+             "self_attn.v_proj.weight": w(kv, 2 * h), "self_attn.o_proj.weight": w(h, q),
+             "mlp.gate_proj.weight": w(inter, h), "mlp.up_proj.weight": w(inter, h),
+             "mlp.down_proj.weight": w(h, inter)}
+    prefix = "midlayer." if layout == "reference" else "layers.0."
+    state = {prefix + k: v for k, v in layer.items()}
+    state.update({"fc.weight": w(h, 3 * h) / 3 ** 0.5, "norm.weight": norm(h), "lm_head.weight": w(vd, h)})
+    if draft_vocab:
+        targets = torch.arange(0, 2 * draft_vocab, 2)
+        state["d2t"] = targets - torch.arange(draft_vocab)  # target id = draft id + d2t[draft id]
+        t2d = torch.zeros(vocab_size, dtype=torch.bool)
+        t2d[targets] = True
+        state["t2d"] = t2d
+    llama = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": h,
+             "num_attention_heads": heads, "num_key_value_heads": kv_heads, "intermediate_size": inter,
+             "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 2048,
+             "vocab_size": vocab_size, "num_hidden_layers": 1, "hidden_act": "silu"}
+    if layout == "reference":
+        config = {**llama, "draft_vocab_size": vd}
+        if aux_ids:
+            config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_ids}
+    else:
+        config = {"speculators_model_type": "eagle3", "architectures": ["Eagle3Speculator"],
+                  "transformer_layer_config": llama, "draft_vocab_size": vd, "norm_before_residual": False}
+        if aux_ids:
+            config["eagle_aux_hidden_state_layer_ids"] = aux_ids
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config, indent=1))
+    save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))
+    return folder

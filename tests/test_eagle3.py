@@ -1,0 +1,102 @@
+"""EAGLE-3 heads: both checkpoint layouts load, the tap conventions, and the ONNX drafter graph
+against the torch reference."""
+
+import numpy as np
+import pytest
+import torch
+
+from tiny_models import save_eagle3_folder
+
+
+def test_the_two_layouts_load_to_the_same_head(tmp_path):
+    from dflash.export.eagle3 import Eagle3Head
+
+    reference = Eagle3Head.load(save_eagle3_folder(tmp_path / "ref", 64, 160, "reference", draft_vocab=40), 8)
+    speculators = Eagle3Head.load(save_eagle3_folder(tmp_path / "spec", 64, 160, "speculators", draft_vocab=40), 8)
+    assert reference.config.layout == "reference" and speculators.config.layout == "speculators"
+    assert (reference.config.head_dim, reference.config.kv_heads, reference.config.draft_vocab_size) == (16, 2, 40)
+    for (name, a), (_, b) in zip(reference.state_dict().items(), speculators.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert reference.target_ids(torch.tensor([0, 1, 39])).tolist() == [0, 2, 78]
+
+
+@pytest.mark.parametrize("aux, taps", [(None, [1, 14, 26]), ([1, 14, 26], [1, 14, 26]), ([2, 15, 27], [1, 14, 26])])
+def test_tap_conventions(aux, taps):
+    """Ids starting at 1 are layer outputs; at 2 or later, layer inputs (vLLM's default 2, N//2, N-3)."""
+    from dflash.export.eagle3 import tap_layers
+
+    assert tap_layers(aux, 30) == taps
+
+
+def test_a_folder_that_is_not_a_head_is_refused(tmp_path):
+    from dflash.export.eagle3 import Eagle3Head
+    from dflash.export.sources import SourceError
+    from tiny_models import save_dflash_folder
+
+    with pytest.raises(SourceError, match="not an EAGLE-3 head"):
+        Eagle3Head.load(save_dflash_folder(tmp_path / "dflash", 64, 8, [1, 3], 160, 5), 8)
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SourceError, match="no config.json"):
+        Eagle3Head.load(tmp_path / "empty", 8)
+
+
+def test_graph_matches_the_reference_over_steps(tmp_path):
+    """The graph (cache op, in-place rows) against the reference (plain growing cache): target rows,
+    then the head's own rows, then a tree of two branches over the committed rows."""
+    from dflash.export.eagle3 import DrafterGraph, Eagle3Head, Reference
+
+    head = Eagle3Head.load(save_eagle3_folder(tmp_path / "h", 64, 160, draft_vocab=40), 8)
+    c = head.config
+    embed = torch.randn(160, 64, generator=torch.Generator().manual_seed(1))
+    graph, reference = DrafterGraph(head, embed, 64).eval(), Reference(head, embed, 64)
+    keys, values = torch.zeros(1, c.kv_heads, 64, c.head_dim), torch.zeros(1, c.kv_heads, 64, c.head_dim)
+    g = torch.Generator().manual_seed(2)
+    past = 0
+
+    def run(n_target, states, tokens, mask=None):
+        nonlocal past, keys, values
+        r = len(tokens)
+        features = torch.randn(n_target, 3 * 64, generator=g)
+        mask = torch.tril(torch.ones(r, r, dtype=torch.bool)) if mask is None else mask
+        depth = mask.sum(-1) - 1  # a tree row's position is its depth past the committed rows
+        positions = (past + depth).tolist()
+        want_logits, want_out = reference.step(features, states, tokens, positions, mask)
+        with torch.no_grad():
+            top_lp, top_ids, out, logits, keys, values = graph(
+                features.unsqueeze(0), states.unsqueeze(0), torch.tensor([tokens]), torch.tensor([positions]),
+                mask, torch.tensor(past), keys, values)
+        assert torch.allclose(logits[0], want_logits, atol=1e-5) and torch.allclose(out[0], want_out, atol=1e-5)
+        assert torch.equal(top_ids[0, :, 0], head.target_ids(want_logits.argmax(-1)))
+        past += r
+        return out[0]
+
+    out = run(5, torch.zeros(0, 64), [3, 9, 4, 7, 1])
+    out = run(0, out[-1:], [12])
+    tree = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)  # root, then two children
+    run(0, torch.cat([out, out, out]), [5, 6, 8], tree)
+    reference.keep(past - 3)  # the tree is dropped: the cache keeps committed rows only
+    past -= 3
+    run(2, torch.zeros(0, 64), [5, 6])
+
+
+def test_onnx_graph_matches_torch(tmp_path):
+    import onnxruntime as ort
+
+    from dflash import ops
+    from dflash.export.eagle3 import DrafterGraph, Eagle3Head, example_inputs, export_onnx
+
+    head = Eagle3Head.load(save_eagle3_folder(tmp_path / "h", 64, 160, draft_vocab=40), 8)
+    embed = torch.randn(160, 64)
+    export_onnx(head, embed, 48, "custom", tmp_path / "eagle3.onnx")
+    opts = ort.SessionOptions()
+    ops.register(opts)
+    session = ort.InferenceSession(str(tmp_path / "eagle3.onnx"), opts)
+    graph = DrafterGraph(head, embed, 48).eval()
+    for n, m in ((3, 0), (0, 2), (2, 3), (1, 0)):
+        inputs = example_inputs(head.config, 48, n=n, m=m, past=4, seed=n + m)
+        feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
+        got = session.run(None, feeds)
+        with torch.no_grad():
+            want = graph(*inputs)
+        for name, a, b in zip(["top_logprobs", "top_ids", "hidden", "logits", "key", "value"], got, want):
+            assert np.abs(a - b.numpy()).max() <= 1e-4, (name, n, m)
