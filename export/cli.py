@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -190,11 +191,17 @@ def export_draft_lm(src, target_dir, self_dtype=None, dtype="fp32"):
 @click.option("--vocab-text", multiple=True, type=click.Path(path_type=Path),
               help="text or prompts .jsonl to count token frequencies in (default: an offline corpus)")
 def drafter(src, target_dir, dtype, draft_vocab, vocab_text):
-    """Add a DFlash drafter to a target bundle: SRC is a checkpoint folder in z-lab's layout
-    (config.json + safetensors, e.g. z-lab/Qwen3-4B-DFlash-b16) trained for that target, or
-    'default': the drafter this project trained for the default model."""
+    """Add a drafter to a target bundle. SRC is a DFlash checkpoint folder in z-lab's layout
+    (config.json + safetensors, e.g. z-lab/Qwen3-4B-DFlash-b16) trained for that target,
+    'default' (the DFlash drafter this project trained for the default model), or an EAGLE-3
+    head folder (SafeAILab's `midlayer.*` layout or vllm-project/speculators' `layers.0.*`)."""
+    from .eagle3 import is_eagle3
+
     try:
-        export_dflash(src, target_dir, dtype, draft_vocab=draft_vocab, vocab_text=vocab_text)
+        if src != "default" and is_eagle3(Path(src)):
+            export_eagle3(src, target_dir)
+        else:
+            export_dflash(src, target_dir, dtype, draft_vocab=draft_vocab, vocab_text=vocab_text)
     except (SourceError, DiskFullError, FileExistsError) as e:
         raise click.ClickException(str(e))
 
@@ -205,7 +212,6 @@ DEFAULT_DRAFTER = Path(__file__).parent / "default_drafter"  # trained for the d
 def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()):
     """Export the drafter graph into the target bundle (drafter.onnx) and list it in the manifest;
     with `draft_vocab` N, the drafter scores only the N most frequent tokens of `vocab_text`."""
-    import shutil
 
     from . import sources
     from .bundle import disk_full, write_manifest
@@ -271,6 +277,98 @@ def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()
                           "export_check": {"logits": diff}}
     write_manifest(target_dir, manifest)
     return manifest
+
+
+def export_eagle3(src, target_dir) -> dict:
+    """Export an EAGLE-3 head into the target bundle (eagle3.onnx) and list it in the manifest."""
+    from . import sources
+    from .bundle import write_manifest
+    from .eagle3 import Eagle3Head, export_onnx
+
+    target_dir = Path(target_dir)
+    progress = Progress(4)
+    manifest = read_target_manifest(target_dir)
+    progress(f"loading the EAGLE-3 head {src} and the target's embedding")
+    target = sources.load(manifest["source"]).model
+    tc = target.config
+    head = Eagle3Head.load(src, tc.num_hidden_layers)
+    c = head.config
+    check_eagle3_fits(c, tc, manifest, src, target_dir)
+    embed = target.get_input_embeddings().weight.detach().float()
+    capacity = manifest["max_len"] + EAGLE3_SCRATCH_ROWS
+    progress(f"exporting the head's graph ({c.layout} layout, taps {c.taps}, draft vocabulary "
+             f"{c.draft_vocab_size})")
+    work = target_dir / ".eagle3.partial"
+    shutil.rmtree(work, ignore_errors=True)
+    work.mkdir()
+    try:
+        export_onnx(head, embed, capacity, manifest["attention"], work / "eagle3.onnx")
+        progress("checking ONNX Runtime against the torch reference")
+        diff = check_eagle3(head, embed, capacity, work / "eagle3.onnx", manifest)
+        click.echo(f"  max |logits(ORT) - logits(torch)| = {diff:.3g}", err=True)
+        if not diff <= 1e-3:
+            raise SourceError(f"the exported EAGLE-3 graph differs from the torch head by {diff:.3g} (bound 1e-3)")
+        for name in ("eagle3.onnx", "eagle3.onnx.data"):
+            (work / name).replace(target_dir / name)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    progress("writing the manifest")
+    manifest.pop("format_version", None)
+    manifest["graphs"]["eagle3"] = {"file": "eagle3.onnx", "dtype": "fp32"}
+    manifest["eagle3"] = {"source": str(Path(src).resolve()), "taps": c.taps,
+                          "tap_columns": [manifest["taps"].index(t) for t in c.taps], "capacity": capacity,
+                          "hidden_size": c.hidden_size, "draft_vocab": c.draft_vocab_size,
+                          "kv": {"kv_heads": c.kv_heads, "head_dim": c.head_dim}, "export_check": {"logits": diff}}
+    write_manifest(target_dir, manifest)
+    return manifest
+
+
+EAGLE3_SCRATCH_ROWS = 64  # rows past the committed ones that a tree draft may write
+
+
+def check_eagle3_fits(c, target_config, manifest: dict, src, target_dir) -> None:
+    """The head must match the target's width, vocabulary and depth, and the bundle must export
+    the target states it reads."""
+    other = "this head was made for another target"
+    if c.target_hidden_size != target_config.hidden_size:
+        raise SourceError(f"{src}: it reads target states {c.target_hidden_size} wide but the target's hidden size "
+                          f"is {target_config.hidden_size}: {other}")
+    if c.vocab_size != target_config.vocab_size:
+        raise SourceError(f"{src}: vocabulary {c.vocab_size} differs from the target's {target_config.vocab_size}: "
+                          f"{other}")
+    layers = target_config.num_hidden_layers
+    if not all(0 <= t < layers for t in c.taps):
+        raise SourceError(f"{src}: it reads the outputs of layers {c.taps} but the target has {layers} layers: {other}")
+    missing = [t for t in c.taps if t not in manifest["taps"]]
+    if missing:
+        taps = ",".join(map(str, sorted(set(manifest["taps"]) | set(c.taps))))
+        raise SourceError(f"the head reads the outputs of target layers {c.taps} but the bundle's taps are "
+                          f"{manifest['taps']}: re-export the target with `dflash-export target {manifest['source']} "
+                          f"{target_dir} --taps {taps} --overwrite` (it keeps every drafter's taps)")
+
+
+def check_eagle3(head, embed, capacity: int, graph: Path, manifest: dict) -> float:
+    """Max |ORT - torch| of the head's logits for target rows, own rows and both."""
+    import numpy as np
+    import torch
+
+    from dflash.runtime.session import make_session
+
+    from types import SimpleNamespace
+
+    from .eagle3 import DrafterGraph, example_inputs
+
+    info = SimpleNamespace(manifest={"ops_library": "dflash_ops" if manifest["attention"] == "custom" else None})
+    session = make_session(graph, info, threads=None)
+    reference = DrafterGraph(head, embed, capacity)
+    worst = 0.0
+    for n, m in ((5, 0), (0, 3), (2, 2)):
+        inputs = example_inputs(head.config, capacity, n=n, m=m, past=7, seed=n + m)
+        feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
+        out = session.run(["logits"], feeds)[0]
+        with torch.no_grad():
+            worst = max(worst, float(np.abs(out - reference(*inputs)[3].numpy()).max()))
+    return worst
 
 
 def read_target_manifest(target_dir: Path) -> dict:

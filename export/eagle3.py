@@ -305,3 +305,13 @@ def export_onnx(head: Eagle3Head, embed, capacity: int, attention: str, path) ->
                                     custom_translation_table=ops.translation_table(attention),
                                     opset_version=23 if attention == "onnx" else 20, optimize=True, verbose=False)
     program.save(str(path), external_data=True)
+
+
+def is_eagle3(folder: Path) -> bool:
+    """Whether a folder holds an EAGLE-3 head (either layout) rather than a DFlash drafter."""
+    try:
+        config = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return False
+    return config.get("speculators_model_type") == "eagle3" or (
+        "draft_vocab_size" in config and "dflash_config" not in config)

@@ -12,6 +12,7 @@ import numpy as np
 
 from .bundle import BundleError, load_bundle
 from .dflash import DFlashDrafter, DrafterSession, HybridDrafter
+from .eagle3 import Eagle3Drafter, Eagle3Session
 from .drafters import Drafter, LookupDrafter, ModelDrafter
 from .policy import Policy, VerifyCost
 from .sampling import Sampler, SamplingParams
@@ -96,6 +97,7 @@ class Model:
         self._cost: VerifyCost | None = None
         self._draft_models: dict[str, Target] = {}
         self._dflash: DrafterSession | None = None
+        self._eagle3: Eagle3Session | None = None
         self._drafters: dict[tuple, Drafter] = {}
         self._suffix_index: SuffixIndex | None = None
 
@@ -112,6 +114,8 @@ class Model:
             names.append("suffix")
         if "drafter" in self.bundle.graphs:
             names += ["dflash", "dflash-tree", "dflash-hybrid"]
+        if "eagle3" in self.bundle.graphs:
+            names += ["eagle3", "eagle3-tree"]
         for name in self.bundle.manifest.get("drafters", {}):
             names += [name, f"{name}-tree"]
         return names
@@ -152,6 +156,11 @@ class Model:
                 if name == "dflash-hybrid":
                     dflash = HybridDrafter(policy, dflash, LookupDrafter(policy, corpus=self._corpus()))
                 self._drafters[key] = dflash
+            elif name.startswith("eagle3"):
+                if self._eagle3 is None:
+                    threads = len(self.draft_cores) if self.draft_cores else self.threads
+                    self._eagle3 = Eagle3Session(self.bundle, threads, self.draft_cores)
+                self._drafters[key] = Eagle3Drafter(policy, self._eagle3, tree=name == "eagle3-tree")
             else:
                 tree = name.endswith("-tree")
                 model = self._draft_model(name.removesuffix("-tree"))
@@ -174,6 +183,8 @@ class Model:
         if name.startswith("dflash"):
             return (f"add a DFlash drafter with `dflash-export drafter default --target {folder}` (the default "
                     f"model's trained drafter) or `dflash-export drafter DRAFTER_FOLDER --target {folder}`")
+        if name.startswith("eagle3"):
+            return f"add an EAGLE-3 head with `dflash-export drafter HEAD_FOLDER --target {folder}`"
         if name == "suffix":
             return (f"add its corpus of the target's own answers with `dflash-export corpus ANSWERS_FOLDER "
                     f"--target {folder}` (the default model's: campaign/smollm2/answers)")

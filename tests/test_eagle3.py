@@ -100,3 +100,110 @@ def test_onnx_graph_matches_torch(tmp_path):
             want = graph(*inputs)
         for name, a, b in zip(["top_logprobs", "top_ids", "hidden", "logits", "key", "value"], got, want):
             assert np.abs(a - b.numpy()).max() <= 1e-4, (name, n, m)
+
+
+def target_vocab(hf) -> int:
+    import json
+
+    return json.loads((hf / "config.json").read_text())["vocab_size"]
+
+
+@pytest.fixture(scope="module")
+def eagle3_bundle(tiny, tmp_path_factory):
+    """A tiny target exported with the taps an EAGLE-3 head reads, and a random head added."""
+    import shutil
+
+    from dflash.export.cli import export_eagle3
+    from tiny_models import save_eagle3_folder
+
+    bundle, hf = tiny("llama", taps="0,1,2")
+    folder = tmp_path_factory.mktemp("eagle3") / "bundle"
+    shutil.copytree(bundle, folder)
+    head = save_eagle3_folder(folder.parent / "head", 64, target_vocab(hf), "reference", aux_ids=[0, 1, 2], draft_vocab=60,
+                              std=0.3)
+    export_eagle3(head, folder)
+    return folder
+
+
+def test_eagle3_modes_are_lossless(eagle3_bundle):
+    from dflash.runtime import Model
+
+    model = Model(eagle3_bundle)
+    assert {"eagle3", "eagle3-tree"} <= set(model.drafters)
+    for ids in (list(range(4, 40, 3)), [5, 9, 9, 9, 12, 5, 9, 9]):
+        plain = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True).tokens
+        for drafter in ("eagle3", "eagle3-tree"):
+            for draft_len in (None, 3):
+                got = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True, drafter=drafter,
+                                     draft_len=draft_len)
+                assert got.tokens == plain, (drafter, draft_len)
+
+
+def test_eagle3_sampling_repeats_with_a_seed(eagle3_bundle):
+    from dflash.runtime import Model
+
+    model = Model(eagle3_bundle)
+    ids = list(range(4, 30, 2))
+    plain = model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=3).tokens
+    for drafter in ("eagle3", "eagle3-tree"):
+        got = model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=3,
+                             drafter=drafter, draft_len=3).tokens
+        assert got == plain, drafter
+
+
+def test_a_head_for_other_taps_names_the_re_export(tiny, tmp_path):
+    import shutil
+
+    from dflash.export.cli import export_eagle3
+    from dflash.export.sources import SourceError
+    from tiny_models import save_eagle3_folder
+
+    bundle, hf = tiny("llama")  # taps [1] only
+    folder = tmp_path / "bundle"
+    shutil.copytree(bundle, folder)
+    head = save_eagle3_folder(tmp_path / "head", 64, target_vocab(hf), aux_ids=[0, 1, 2])
+    with pytest.raises(SourceError, match="--taps 0,1,2"):
+        export_eagle3(head, folder)
+    wide = save_eagle3_folder(tmp_path / "wide", 32, target_vocab(hf), aux_ids=[0, 1, 2])
+    with pytest.raises(SourceError, match="another target"):
+        export_eagle3(wide, folder)
+
+
+def test_drafts_follow_the_torch_reference(eagle3_bundle):
+    """The runtime's chain drafts equal a torch loop over the head (target features of the
+    committed positions paired with the next token, then the head's own states): the pairing
+    and positions are right, not just harmless."""
+    import json
+
+    from dflash.export.eagle3 import Eagle3Head, Reference
+    from dflash.export.sources import load
+    from dflash.runtime import Model
+
+    manifest = json.loads((eagle3_bundle / "dflash.json").read_text())
+    target = load(manifest["source"]).model
+    head = Eagle3Head.load(manifest["eagle3"]["source"], target.config.num_hidden_layers)
+    model = Model(eagle3_bundle)
+    drafter = model.drafter("eagle3", 3)
+    seen = []
+    propose = drafter.propose
+
+    def record(history, room):
+        draft = propose(history, room)
+        seen.append((list(history), list(draft.tokens)))
+        return draft
+
+    drafter.propose = record
+    model.generate(input_ids=list(range(4, 40, 3)), max_new_tokens=12, ignore_eos=True, drafter="eagle3", draft_len=3)
+    for history, drafts in seen[:3]:
+        with torch.no_grad():
+            out = target(torch.tensor([history[:-1]]), output_hidden_states=True)
+        features = torch.cat([out.hidden_states[t + 1][0] for t in head.config.taps], dim=-1)
+        reference = Reference(head, target.get_input_embeddings().weight.float(), 128)
+        n = len(history) - 1
+        logits, states = reference.step(features, torch.zeros(0, 64), history[1:], list(range(n)))
+        want = []
+        for depth in range(len(drafts)):
+            token = int(head.target_ids(logits[-1].argmax()))
+            want.append(token)
+            logits, states = reference.step(torch.zeros(0, 3 * 64), states[-1:], [token], [n + depth])
+        assert drafts == want
