@@ -315,8 +315,7 @@ def export_eagle3(src, target_dir) -> dict:
     progress("writing the manifest")
     manifest.pop("format_version", None)
     manifest["graphs"]["eagle3"] = {"file": "eagle3.onnx", "dtype": "fp32"}
-    manifest["eagle3"] = {"source": str(Path(src).resolve()), "taps": c.taps,
-                          "tap_columns": [manifest["taps"].index(t) for t in c.taps], "capacity": capacity,
+    manifest["eagle3"] = {"source": str(Path(src).resolve()), "taps": c.taps, "capacity": capacity,
                           "hidden_size": c.hidden_size, "draft_vocab": c.draft_vocab_size,
                           "kv": {"kv_heads": c.kv_heads, "head_dim": c.head_dim}, "export_check": {"logits": diff}}
     write_manifest(target_dir, manifest)
@@ -443,10 +442,11 @@ def check_drafter_fits(c, target_config, manifest: dict, src) -> None:
     if not 0 <= c.mask_token_id < target_config.vocab_size:
         raise SourceError(f"{src}: mask_token_id {c.mask_token_id} lies outside the target's embedding "
                           f"(0..{target_config.vocab_size - 1}): this drafter was trained for another target")
-    if c.target_layer_ids != manifest["taps"]:
-        taps = ",".join(map(str, c.target_layer_ids))
+    if not set(c.target_layer_ids) <= set(manifest["taps"]):
+        taps = ",".join(map(str, sorted(set(manifest["taps"]) | set(c.target_layer_ids))))
         raise SourceError(f"the drafter reads target layers {c.target_layer_ids} but the bundle's taps are "
-                          f"{manifest['taps']}: re-export the target with `--taps {taps}`")
+                          f"{manifest['taps']}: re-export the target with `--taps {taps}` (it keeps the "
+                          "taps of the bundle's other drafters)")
 
 
 def check_drafter(drafter, embed, lm_head, capacity: int, graph: Path, manifest: dict) -> float:

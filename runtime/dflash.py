@@ -45,7 +45,8 @@ class DrafterSession:
                                np.float32)
         self.top_logprobs = np.zeros((1, self.block - 1, top_k), np.float32)
         self.top_ids = np.zeros((1, self.block - 1, top_k), np.int64)
-        self.width = len(bundle.taps) * bundle.hidden_size
+        self.columns = bundle.tap_columns(info.get("target_layer_ids", bundle.taps))
+        self.width = len(self.columns)
         rows = self.MAX_CONTEXT + self.block
         self._context = np.zeros((1, self.MAX_CONTEXT, self.width), np.float32)
         self._block_ids = np.full((1, self.block), self.mask_id, np.int64)
@@ -112,7 +113,7 @@ class DFlashDrafter(Drafter):
         self.past, self.pending = 0, []
 
     def add_context(self, rows: np.ndarray) -> None:
-        self.pending.append(np.array(rows, np.float32))
+        self.pending.append(np.asarray(rows, np.float32)[:, self.session.columns])
 
     def propose(self, history: list[int], room: int) -> Draft:
         self.main, self.confidence = [], []

@@ -33,11 +33,10 @@ class Eagle3Session:
         self.cores = set(cores) if cores else None
         self.session = make_session(bundle.graph_path("eagle3"), bundle, threads, cores)
         self.capacity, self.hidden = info["capacity"], info["hidden_size"]
-        columns = np.arange(bundle.hidden_size)
-        self.tap_columns = np.concatenate([i * bundle.hidden_size + columns for i in info["tap_columns"]])
+        self.tap_columns = bundle.tap_columns(info["taps"])
         shape = (1, info["kv"]["kv_heads"], self.capacity, info["kv"]["head_dim"])
         self.key, self.value = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
-        self.features_width = len(info["tap_columns"]) * bundle.hidden_size
+        self.features_width = len(self.tap_columns)
 
     def run(self, features: np.ndarray, states: np.ndarray, tokens, positions, mask: np.ndarray, past: int):
         """Rows (target features first, then own states) written at past..: per row the top

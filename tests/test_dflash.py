@@ -183,7 +183,7 @@ def zlab_folder(tmp_path, **overrides):
 @pytest.mark.parametrize("overrides, message", [
     ({"taps": [1, 2, 3, 4, 9]}, r"target_layer_ids \[1, 2, 3, 4, 9\] exceed the target's 8 layers"),
     ({"mask_token_id": 300}, "mask_token_id 300 lies outside the target's embedding"),
-    ({"taps": [1, 3, 5]}, r"re-export the target with `--taps 1,3,5`"),
+    ({"taps": [1, 3, 6]}, r"re-export the target with `--taps 1,2,3,4,5,6`"),
     ({"hidden_size": 32}, "hidden size 32 differs from the target's 64"),
 ])
 def test_drafter_for_another_target_is_refused(qwen3_dflash, tmp_path, overrides, message):
@@ -261,3 +261,28 @@ def test_eval_reports_tau_per_position_and_per_kind(qwen3_dflash, tmp_path):
     assert f"(block {BLOCK})" in result.output and "position 1: accepted" in result.output
     kinds = result.output.split("tau by prompt kind: ")[1]
     assert kinds.startswith("chat ") and ", code " in kinds
+
+
+def test_a_drafter_reading_some_of_the_taps_matches_the_reference(qwen3_dflash, tmp_path):
+    """A bundle may carry more taps than a drafter reads (DFlash and EAGLE-3 taps at once): the
+    runtime hands the drafter its own layers' columns, in its order."""
+    import shutil
+
+    from dflash.export.cli import export_dflash
+    from dflash.export.dflash import DFlashDrafter, reference_generate
+    from tiny_models import save_dflash_folder
+    from transformers import AutoModelForCausalLM
+
+    bundle, hf, _ = qwen3_dflash
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    config = json.loads((hf / "config.json").read_text())
+    folder = save_dflash_folder(tmp_path / "drafter", config["hidden_size"], 8, [2, 4], config["vocab_size"],
+                                mask_token_id=3, block_size=BLOCK, seed=4)
+    export_dflash(folder, copy)
+    target = AutoModelForCausalLM.from_pretrained(hf).eval()
+    ids = list(range(4, 90, 5))
+    tokens, _ = reference_generate(target, DFlashDrafter.load(folder), ids, 30)
+    result = Model(copy).generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, drafter="dflash",
+                                  draft_len=BLOCK - 1)
+    assert result.tokens == tokens

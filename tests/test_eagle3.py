@@ -116,7 +116,7 @@ def eagle3_bundle(tiny, tmp_path_factory):
     from dflash.export.cli import export_eagle3
     from tiny_models import save_eagle3_folder
 
-    bundle, hf = tiny("llama", taps="0,1,2")
+    bundle, hf = tiny("llama", taps="0,1,2,3")  # the head reads three of them (not 3: the last layer)
     folder = tmp_path_factory.mktemp("eagle3") / "bundle"
     shutil.copytree(bundle, folder)
     head = save_eagle3_folder(folder.parent / "head", 64, target_vocab(hf), "reference", aux_ids=[0, 1, 2], draft_vocab=60,
