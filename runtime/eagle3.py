@@ -114,16 +114,16 @@ class Eagle3Drafter(Drafter):
         start = time.perf_counter()
         logprobs, ids, state = self._commit(history)
         if self.tree:
-            draft = self._tree(logprobs, ids, state, limit)
+            draft, calls = self._tree(logprobs, ids, state, limit)
         else:
-            draft = self._chain(logprobs, ids, state, planned if self.policy.fixed is not None else limit)
-        self.call_ms += 0.1 * ((time.perf_counter() - start) * 1e3 / max(1, self._calls) - self.call_ms)
+            draft, calls = self._chain(logprobs, ids, state, planned if self.policy.fixed is not None else limit)
+        self.call_ms += 0.1 * ((time.perf_counter() - start) * 1e3 / calls - self.call_ms)
         return draft
 
-    def _chain(self, logprobs, ids, state, limit: int) -> Draft:
+    def _chain(self, logprobs, ids, state, limit: int) -> tuple[Draft, int]:
         """The argmax chain, one row per call in the scratch rows (a chain's earlier rows are all
         its ancestors), while the next token is worth its call and verify row."""
-        chain, reach, self._calls = [], 1.0, 1
+        chain, reach, calls = [], 1.0, 1
         fixed = self.policy.fixed is not None
         rate = self.policy.rate(self.acceptance, max(1, limit), self.call_ms)
         while True:
@@ -141,21 +141,23 @@ class Eagle3Drafter(Drafter):
             lp, top, hidden = self.session.run(np.zeros((0, self.session.features_width)), state[None], [chain[-1]],
                                                [position], np.ones((1, 1), np.bool_), position)
             logprobs, ids, state = lp[0], top[0], hidden[0]
-            self._calls += 1
+            calls += 1
         self.main = list(range(len(chain)))
-        return Draft.chain(chain)
+        return Draft.chain(chain), calls
 
-    def _tree(self, logprobs, ids, state, limit: int) -> Draft:
+    def _tree(self, logprobs, ids, state, limit: int) -> tuple[Draft, int]:
         """EAGLE-2: expand the TOP_K best frontier nodes a depth at a time, then keep the best
         nodes by cumulative log-prob (parents first), as many as pay for their verify rows."""
         k = self.TOP_K
         tokens, parents, scores, states = [], [], [], []  # every scored node
         frontier = []
-        for r in range(k):
-            tokens.append(int(ids[r])), parents.append(-1), scores.append(float(logprobs[r])), states.append(state)
+        for r in range(k):  # the root's children: the candidates are sorted best first
+            tokens.append(int(ids[r]))
+            parents.append(-1)
+            scores.append(float(logprobs[r]))
+            states.append(state)
             frontier.append(len(tokens) - 1)
-        frontier = sorted(frontier, key=lambda i: -scores[i])[:k]
-        self._calls = 1
+        calls = 1
         depth_of = [1] * len(tokens)
         expanded: list[int] = []  # nodes whose rows were run (each run re-runs its ancestors too)
         for depth in range(1, min(limit, MAX_DRAFT)):
@@ -171,19 +173,21 @@ class Eagle3Drafter(Drafter):
             lp, top, hidden = self.session.run(np.zeros((0, self.session.features_width)),
                                                np.stack([states[n] for n in rows]), [tokens[n] for n in rows],
                                                positions, mask, self.past)
-            self._calls += 1
+            calls += 1
             children = []
             for node in frontier:
                 i = index[node]
                 for r in range(k):
-                    tokens.append(int(top[i, r])), parents.append(node), states.append(hidden[i])
+                    tokens.append(int(top[i, r]))
+                    parents.append(node)
+                    states.append(hidden[i])  # a child's row reads its parent's output state
                     scores.append(scores[node] + float(lp[i, r]))
                     depth_of.append(depth_of[node] + 1)
                     children.append(len(tokens) - 1)
             frontier = sorted(children, key=lambda i: -scores[i])[:k]
-        return self._keep_best(tokens, parents, scores, limit)
+        return self._keep_best(tokens, parents, scores, depth_of, limit), calls
 
-    def _keep_best(self, tokens, parents, scores, limit: int) -> Draft:
+    def _keep_best(self, tokens, parents, scores, depth_of, limit: int) -> Draft:
         """The best nodes by cumulative score (a parent scores at least its children), renumbered
         parents first, while each adds more expected tokens per verify millisecond."""
         order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))
@@ -195,14 +199,14 @@ class Eagle3Drafter(Drafter):
                 break
             if parents[node] != -1 and parents[node] not in kept:
                 continue
-            value = self.calibration(float(np.exp(scores[node])))
+            value = float(np.exp(scores[node]))  # the head's chance that the target walks to it
             rows = len(kept) + 1
             if fixed is None and value <= (self.policy.cost(rows + 1) - self.policy.cost(rows)) * expected / \
                     self.policy.cost(rows):
                 break
             kept.append(node)
             expected += value
-        kept.sort(key=lambda n: (self._depth(parents, n), n))
+        kept.sort(key=lambda n: (depth_of[n], n))
         new_index = {node: i for i, node in enumerate(kept)}
         draft = Draft([tokens[n] for n in kept], [new_index.get(parents[n], -1) for n in kept])
         node, self.main = -1, []
@@ -210,15 +214,8 @@ class Eagle3Drafter(Drafter):
             children = [i for i, n in enumerate(kept) if draft.parents[i] == node]
             if not children:
                 break
+            parent_score = scores[kept[node]] if node >= 0 else 0.0
             node = max(children, key=lambda i: scores[kept[i]])
             self.main.append(node)
-            self.confidence.append(float(np.exp(scores[kept[node]] - (scores[parents[kept[node]]]
-                                                                      if parents[kept[node]] >= 0 else 0.0))))
+            self.confidence.append(float(np.exp(scores[kept[node]] - parent_score)))  # the token's own probability
         return draft
-
-    @staticmethod
-    def _depth(parents, node) -> int:
-        depth = 0
-        while parents[node] >= 0:
-            node, depth = parents[node], depth + 1
-        return depth
