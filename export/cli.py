@@ -342,7 +342,7 @@ def check_eagle3_fits(c, target_config, manifest: dict, src, target_dir) -> None
     if missing:
         taps = ",".join(map(str, sorted(set(manifest["taps"]) | set(c.taps))))
         raise SourceError(f"the head reads the outputs of target layers {c.taps} but the bundle's taps are "
-                          f"{manifest['taps']}: re-export the target with `dflash-export target {manifest['source']} "
+                          f"{manifest['taps']}: re-export the target with `dflash-export target {manifest['source']} --out "
                           f"{target_dir} --taps {taps} --overwrite` (it keeps every drafter's taps)")
 
 
