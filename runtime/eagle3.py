@@ -113,8 +113,8 @@ class Eagle3Drafter(Drafter):
             return Draft()  # the features wait in `pending` for the next call
         start = time.perf_counter()
         logprobs, ids, state = self._commit(history)
-        if self.tree:
-            draft, calls = self._tree(logprobs, ids, state, limit)
+        if self.tree:  # as deep as a chain would pay for: each depth is a call over the whole tree
+            draft, calls = self._tree(logprobs, ids, state, planned, limit)
         else:
             draft, calls = self._chain(logprobs, ids, state, planned if self.policy.fixed is not None else limit)
         self.call_ms += 0.1 * ((time.perf_counter() - start) * 1e3 / calls - self.call_ms)
@@ -145,7 +145,7 @@ class Eagle3Drafter(Drafter):
         self.main = list(range(len(chain)))
         return Draft.chain(chain), calls
 
-    def _tree(self, logprobs, ids, state, limit: int) -> tuple[Draft, int]:
+    def _tree(self, logprobs, ids, state, depth_limit: int, limit: int) -> tuple[Draft, int]:
         """EAGLE-2: expand the TOP_K best frontier nodes a depth at a time, then keep the best
         nodes by cumulative log-prob (parents first), as many as pay for their verify rows."""
         k = self.TOP_K
@@ -160,7 +160,7 @@ class Eagle3Drafter(Drafter):
         calls = 1
         depth_of = [1] * len(tokens)
         expanded: list[int] = []  # nodes whose rows were run (each run re-runs its ancestors too)
-        for depth in range(1, min(limit, MAX_DRAFT)):
+        for depth in range(1, depth_limit):
             expanded = expanded + frontier
             rows = sorted(set(expanded))  # parents before children: nodes are numbered in creation order
             index = {node: i for i, node in enumerate(rows)}
@@ -193,7 +193,7 @@ class Eagle3Drafter(Drafter):
         order = sorted(range(len(tokens)), key=lambda i: (-scores[i], i))
         kept, expected = [], 1.0
         fixed = self.policy.fixed
-        budget = min(fixed if fixed is not None else MAX_DRAFT, limit)
+        budget = min(fixed if fixed is not None else MAX_DRAFT, limit)  # limit: the room in the verify
         for node in order:
             if len(kept) >= budget:
                 break

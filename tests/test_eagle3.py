@@ -207,3 +207,15 @@ def test_drafts_follow_the_torch_reference(eagle3_bundle):
             want.append(token)
             logits, states = reference.step(torch.zeros(0, 3 * 64), states[-1:], [token], [n + depth])
         assert drafts == want
+
+
+def test_eagle3_to_a_full_cache(eagle3_bundle):
+    """Drafts never overrun the room left in the target's cache or the head's."""
+    from dflash.runtime import Model
+
+    model = Model(eagle3_bundle)
+    ids = list(range(4, 40, 3))
+    plain = model.generate(input_ids=ids, max_new_tokens=500, ignore_eos=True)
+    for drafter in ("eagle3", "eagle3-tree"):
+        got = model.generate(input_ids=ids, max_new_tokens=500, ignore_eos=True, drafter=drafter, draft_len=6)
+        assert got.tokens == plain.tokens and got.finish_reason == plain.finish_reason, drafter
