@@ -119,11 +119,18 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
                   resume=True, **options)
     assert later["step"] == 30 and len(later["history"]) == len(first["history"]) + 1
 
+    from dflash.export.cli import export_eagle3
+    from dflash.train import eagle3
+
+    head = eagle3.train(source, manifest, [tmp_path / "data"], tmp_path / "head", tmp_path / "cache", draft_vocab=120,
+                        minutes=5, max_steps=6, text_tokens=100, echo=lambda m: None)  # the same label cache
+    assert head["step"] == 6 and head["history"]
     export_dflash(tmp_path / "drafter", tmp_path / "bundle")
+    export_eagle3(tmp_path / "head", tmp_path / "bundle")
     model = Model(tmp_path / "bundle")
     ids = list(range(4, 70, 3))
     plain = model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True)
-    for drafter in ("dflash", "dflash-tree"):
+    for drafter in ("dflash", "dflash-tree", "eagle3", "eagle3-tree"):
         assert model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, drafter=drafter).tokens == plain.tokens
 
 

@@ -60,6 +60,10 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed):
 @click.option("--out", required=True, type=click.Path(path_type=Path), help="drafter folder (z-lab layout)")
 @click.option("--cache", "cache_dir", type=click.Path(path_type=Path),
               help="where the target's features and soft labels are kept (default: OUT/cache)")
+@click.option("--arch", type=click.Choice(["dflash", "eagle3"]), default="dflash", show_default=True,
+              help="dflash: a block drafter; eagle3: an EAGLE-3 head with training-time test")
+@click.option("--taps", "head_taps", help="eagle3: the three target layers (outputs) it reads; default: the "
+              "bundle's taps nearest EAGLE-3's low, middle and high layers")
 @click.option("--layers", default=1, show_default=True)
 @click.option("--block", default=16, show_default=True)
 @click.option("--draft-vocab", type=int, help="restrict outputs to the N most frequent tokens")
@@ -72,9 +76,10 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed):
 @click.option("--threads", default=0, help="torch threads (0: all cores)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
-def fit(bundle, data_dirs, out, cache_dir, layers, block, draft_vocab, minutes, anchors, lr, mask_token_id,
-        text_tokens, threads, seed, resume):
-    """Fit a DFlash drafter with soft labels; checkpoints and a plot in OUT (see dflash/train/fit.py)."""
+def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
+        mask_token_id, text_tokens, threads, seed, resume):
+    """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
+    (see dflash/train/fit.py and eagle3.py)."""
     import torch
 
     from .fit import train
@@ -85,6 +90,14 @@ def fit(bundle, data_dirs, out, cache_dir, layers, block, draft_vocab, minutes, 
     if threads:
         torch.set_num_threads(threads)
     manifest, source = load_target(bundle)
+    if arch == "eagle3":
+        from . import eagle3
+
+        taps = [int(t) for t in head_taps.split(",")] if head_taps else None
+        eagle3.train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", taps=taps,
+                     draft_vocab=draft_vocab or 8192, minutes=minutes, lr=min(lr, 3e-4), seed=seed, resume=resume,
+                     text_tokens=text_tokens, echo=lambda m: click.echo(m, err=True))
+        return
     train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
           seed=seed, resume=resume, text_tokens=text_tokens, echo=lambda m: click.echo(m, err=True))
