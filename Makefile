@@ -8,7 +8,7 @@ BUNDLE := bundles/smollm2
 PROMPT ?= Explain in three sentences why the sky is blue.
 DRAFTER ?= suffix
 
-.PHONY: demo test ops bench clean
+.PHONY: demo test ops bench serve clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -39,6 +39,10 @@ $(BUNDLE)/drafter.onnx: | $(BUNDLE)/dflash.json
 # (committed in campaign/); order-only, since adding it rewrites dflash.json.
 $(BUNDLE)/suffix_corpus.npy: | $(BUNDLE)/dflash.json
 	$(BIN)/dflash-export corpus campaign/smollm2/answers --target $(BUNDLE)
+
+# The OpenAI-compatible server on the default bundle (http://127.0.0.1:8000/v1).
+serve: ops $(BUNDLE)/dflash.json $(BUNDLE)/suffix_corpus.npy
+	$(BIN)/dflash-serve --bundle $(BUNDLE) --drafter $(DRAFTER)
 
 # Speculative decoding (the suffix drafter by default), then the same prompt without it: both speeds.
 demo: ops $(BUNDLE)/dflash.json $(BUNDLE)/drafter.onnx $(BUNDLE)/suffix_corpus.npy
