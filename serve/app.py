@@ -20,7 +20,7 @@ import uuid
 from contextlib import asynccontextmanager
 from pathlib import Path
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, StreamingResponse
 from pydantic import BaseModel, Field
@@ -193,15 +193,14 @@ def create_app(bundle: str | Path, drafter: str | None = None, workers: int = 1,
                                             "drafters": models[0].drafters}]}
 
     @app.post("/v1/chat/completions")
-    async def chat(body: ChatRequest, request: Request):
-        messages = [m.model_dump() for m in body.messages]
-        return await respond(body, request, {"messages": messages}, chat=True)
+    async def chat(body: ChatRequest):
+        return await respond(body, {"messages": [m.model_dump() for m in body.messages]}, chat=True)
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest, request: Request):
-        return await respond(body, request, {"prompt": body.prompt}, chat=False)
+    async def completions(body: CompletionRequest):
+        return await respond(body, {"prompt": body.prompt}, chat=False)
 
-    async def respond(body: Sampling, request: Request, inputs: dict, chat: bool):
+    async def respond(body: Sampling, inputs: dict, chat: bool):
         if body.model != model_id:
             raise ApiError(404, f"model {body.model!r} does not exist; this server has {model_id!r}", param="model")
         kwargs = dict(inputs, max_new_tokens=body.max_tokens or 256, temperature=body.temperature,
