@@ -6,7 +6,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 BUNDLE := bundles/smollm2
 PROMPT ?= Explain in three sentences why the sky is blue.
-DRAFTER ?= suffix
+DRAFTER ?= dflash-hybrid
 
 .PHONY: demo test ops bench serve clean
 
@@ -44,7 +44,7 @@ $(BUNDLE)/suffix_corpus.npy: | $(BUNDLE)/dflash.json
 serve: ops $(BUNDLE)/dflash.json $(BUNDLE)/suffix_corpus.npy
 	$(BIN)/dflash-serve --bundle $(BUNDLE) --drafter $(DRAFTER)
 
-# Speculative decoding (the suffix drafter by default), then the same prompt without it: both speeds.
+# Speculative decoding (DFlash with the suffix corpus, dflash-hybrid, by default), then the same prompt without it: both speeds.
 demo: ops $(BUNDLE)/dflash.json $(BUNDLE)/drafter.onnx $(BUNDLE)/suffix_corpus.npy
 	$(BIN)/dflash-generate --bundle $(BUNDLE) --prompt "$(PROMPT)" --max-new-tokens 128 \
 		--drafter $(DRAFTER) --compare --stats
