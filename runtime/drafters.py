@@ -96,6 +96,14 @@ class Calibration:
         prior = (b + 0.5) / self.BINS
         return (self.accepted[b] + self.WEIGHT * prior) / (self.tried[b] + self.WEIGHT)
 
+    def observe_chain(self, confidence: list[float], main: list[int], rows: list[int]) -> None:
+        """Learn from a verified chain: its tokens' confidences up to the first rejected one."""
+        for depth, p in enumerate(confidence[: len(main)]):
+            accepted = depth + 1 < len(rows) and rows[depth + 1] == main[depth] + 1
+            self.observe(p, accepted)
+            if not accepted:
+                break
+
     def observe(self, p: float, accepted: bool) -> None:
         b = self._bin(p)
         self.accepted[b] = self.decay * self.accepted[b] + accepted
@@ -128,11 +136,7 @@ class ModelDrafter(Drafter):
 
     def observe(self, draft: Draft, rows: list[int], draft_ms: float, verify_ms: float) -> None:
         super().observe(draft, rows, draft_ms, verify_ms)
-        for depth, p in enumerate(self.confidence[: len(self.main)]):
-            accepted = depth + 1 < len(rows) and rows[depth + 1] == self.main[depth] + 1
-            self.calibration.observe(p, accepted)
-            if not accepted:
-                break
+        self.calibration.observe_chain(self.confidence, self.main, rows)
 
     def begin(self) -> None:
         self.checked = 0  # a new prompt: compare the whole cached prefix once

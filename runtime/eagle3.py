@@ -84,11 +84,7 @@ class Eagle3Drafter(Drafter):
 
     def observe(self, draft: Draft, rows: list[int], draft_ms: float, verify_ms: float) -> None:
         super().observe(draft, rows, draft_ms, verify_ms)
-        for depth, p in enumerate(self.confidence[: len(self.main)]):
-            accepted = depth + 1 < len(rows) and rows[depth + 1] == self.main[depth] + 1
-            self.calibration.observe(p, accepted)
-            if not accepted:
-                break
+        self.calibration.observe_chain(self.confidence, self.main, rows)
 
     def _commit(self, history: list[int]):
         """Run the pending target features (positions past..L-2, each with the token after it):

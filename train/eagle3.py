@@ -19,24 +19,11 @@ import random
 import time
 from pathlib import Path
 
+from .objective import _rms, _rotate  # the same plain-torch helpers as DFlash's objective
+
 STEPS = 4           # training-time test: drafting depths replayed per sequence
 STEP_DECAY = 0.8
 MAX_ROWS = 384      # a longer sequence trains on a random window of this many rows (CPU time)
-
-
-def _rms(x, weight, eps):
-    import torch
-
-    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
-
-
-def _rotate(x, cos, sin):
-    import torch
-
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
 
 def ttt_mask(length: int, step: int):
     """Which keys row j of `step` sees, keys being `step + 1` blocks of `length` rows (block i
