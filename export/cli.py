@@ -351,14 +351,9 @@ def check_eagle3(head, embed, capacity: int, graph: Path, manifest: dict) -> flo
     import numpy as np
     import torch
 
-    from dflash.runtime.session import make_session
-
-    from types import SimpleNamespace
-
     from .eagle3 import DrafterGraph, example_inputs
 
-    info = SimpleNamespace(manifest={"ops_library": "dflash_ops" if manifest["attention"] == "custom" else None})
-    session = make_session(graph, info, threads=None)
+    session = check_session(graph, manifest)
     reference = DrafterGraph(head, embed, capacity)
     worst = 0.0
     for n, m in ((5, 0), (0, 3), (2, 2)):
@@ -449,20 +444,25 @@ def check_drafter_fits(c, target_config, manifest: dict, src) -> None:
                           "taps of the bundle's other drafters)")
 
 
+def check_session(graph: Path, manifest: dict):
+    """An ORT session on a freshly exported drafter graph, with the op library if the target uses it."""
+    from types import SimpleNamespace
+
+    from dflash.runtime.session import make_session
+
+    # make_session reads only the op library from the manifest
+    info = SimpleNamespace(manifest={"ops_library": "dflash_ops" if manifest["attention"] == "custom" else None})
+    return make_session(graph, info, threads=None)
+
+
 def check_drafter(drafter, embed, lm_head, capacity: int, graph: Path, manifest: dict) -> float:
     """Max |ORT - torch| of the drafter's logits for 0, 1 and B new context rows."""
     import numpy as np
     import torch
 
-    from dflash.runtime.session import make_session
-
     from .dflash import DrafterGraph, example_inputs
 
-    from types import SimpleNamespace
-
-    # make_session reads only the op library from the manifest
-    info = SimpleNamespace(manifest={"ops_library": "dflash_ops" if manifest["attention"] == "custom" else None})
-    session = make_session(graph, info, threads=None)
+    session = check_session(graph, manifest)
     reference = DrafterGraph(drafter, embed, lm_head, capacity)
     worst = 0.0
     for n in (0, 1, drafter.config.block_size):

@@ -35,14 +35,18 @@ class Bundle:
     def tap_columns(self, layers: list[int]):
         """Where the states of `layers` sit in the target's taps output (which concatenates the
         bundle's tap layers), in the order given: a drafter may read a subset of them."""
-        import numpy as np
-
         missing = [t for t in layers if t not in self.manifest["taps"]]
         if missing:
             raise BundleError(f"a drafter reads target layers {layers} but {self.folder}'s taps are "
                               f"{self.manifest['taps']}: re-export the target with those taps")
-        h, taps = self.manifest["hidden_size"], self.manifest["taps"]
-        return np.concatenate([np.arange(taps.index(t) * h, (taps.index(t) + 1) * h) for t in layers])
+        return tap_columns(self.manifest["taps"], self.manifest["hidden_size"], layers)
+
+
+def tap_columns(taps: list[int], hidden: int, layers: list[int]):
+    """The columns of `layers` (each among `taps`) in a row of concatenated tap states."""
+    import numpy as np
+
+    return np.concatenate([np.arange(taps.index(t) * hidden, (taps.index(t) + 1) * hidden) for t in layers])
 
 
 def load_bundle(folder) -> Bundle:

@@ -14,7 +14,6 @@ starts from the target's rows of the draft vocabulary.
 from __future__ import annotations
 
 import json
-import math
 import random
 import time
 from pathlib import Path
@@ -149,8 +148,11 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
     """Fit an EAGLE-3 head on the same rows and label cache as the DFlash fit."""
     import torch
 
+    from dflash.runtime.bundle import tap_columns
+
     from .data import Target
-    from .fit import LabelCache, draft_vocabulary, load_sequences, native_bf16, text_sequences
+    from .fit import (LabelCache, draft_vocabulary, learning_rate, load_sequences, native_bf16, resume_from,
+                      text_sequences)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -169,32 +171,23 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
     d2t = draft_vocabulary(rows, draft_vocab, tc.vocab_size) if d2t is None else d2t
     cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t)
     cache.build(target, rows, echo)
-    h = tc.hidden_size
-    columns = torch.cat([torch.arange(manifest["taps"].index(t) * h, (manifest["taps"].index(t) + 1) * h)
-                         for t in taps])
+    columns = torch.from_numpy(tap_columns(manifest["taps"], tc.hidden_size, taps))
     head = new_head(tc, taps, d2t, target.lm_head.weight.detach().float(), seed)
     embed = target.get_input_embeddings().weight.detach().float()
     cos, sin = head.config.rotary_tables(max(len(r["prompt"]) + len(r["answer"]) for r in rows) + 1)
     held = max(1, len(rows) // 20)
     train_ids, held_ids = list(range(len(rows) - held)), list(range(len(rows) - held, len(rows)))
     optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    state = {"step": 0, "seconds": 0.0, "history": []}
     checkpoint = out / "checkpoint.pt"
-    if resume and checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=False)
-        head.load_state_dict(saved["head"])
-        optimizer.load_state_dict(saved["optimizer"])
-        state = saved["state"]
-        rng.setstate(saved["rng"])
-        echo(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
+    state = resume_from(checkpoint, "head", head, optimizer, rng, echo) if resume else None
+    state = state or {"step": 0, "seconds": 0.0, "history": []}
     bf16, budget, last_eval = native_bf16(), minutes * 60, time.perf_counter()
     while state["seconds"] < budget and (max_steps is None or state["step"] < max_steps):
         start = time.perf_counter()
         i = rng.choice(train_ids)
         features, tokens, label_ids, label_p, answer_start = _window(cache, rows, i, columns, rng)
         for group in optimizer.param_groups:
-            progress = state["seconds"] / budget
-            group["lr"] = lr * min(1.0, (state["step"] + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(progress, 1)))
+            group["lr"] = learning_rate(lr, state, budget)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = ttt_logits(head, features, tokens, embed, cos, sin)
         loss = ttt_loss(logits, label_ids, label_p, answer_start)

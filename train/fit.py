@@ -215,15 +215,9 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         lm_head = lm_head[:, d2t].contiguous()
     cos, sin = config.rotary_tables(max(len(r["prompt"]) + len(r["answer"]) for r in rows) + block + 1)
     optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.01)
-    state = {"step": 0, "seconds": 0.0, "history": []}
     checkpoint = out / "checkpoint.pt"
-    if resume and checkpoint.is_file():
-        saved = torch.load(checkpoint, weights_only=False)
-        drafter.load_state_dict(saved["drafter"])
-        optimizer.load_state_dict(saved["optimizer"])
-        state = saved["state"]
-        rng.setstate(saved["rng"])
-        echo(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
+    state = resume_from(checkpoint, "drafter", drafter, optimizer, rng, echo) if resume else None
+    state = state or {"step": 0, "seconds": 0.0, "history": []}
     weights = position_weights(block)
     bf16 = native_bf16()
     echo(f"training in {'bf16 autocast' if bf16 else 'fp32 (this CPU has no native bf16)'}")
@@ -234,9 +228,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         i = rng.choice(train_ids)
         tokens = torch.tensor(rows[i]["prompt"] + rows[i]["answer"])
         picked = sample_anchors(len(rows[i]["prompt"]), len(tokens), anchors, rng)
-        for group in optimizer.param_groups:  # warm-up, then cosine over the time budget
-            progress = state["seconds"] / budget
-            group["lr"] = lr * min(1.0, (state["step"] + 1) / 50) * 0.5 * (1 + math.cos(math.pi * min(progress, 1)))
+        for group in optimizer.param_groups:
+            group["lr"] = learning_rate(lr, state, budget)
         features = cache.sequence(i)[0]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin)
@@ -260,6 +253,28 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
             last_eval = time.perf_counter()
     save(drafter, config, d2t, out)
     _plot(state["history"], out / "training.png")
+    return state
+
+
+def learning_rate(peak: float, state: dict, budget: float) -> float:
+    """Warm-up over 50 steps, then cosine over the time budget (seconds of training)."""
+    progress = min(state["seconds"] / budget, 1.0)
+    return peak * min(1.0, (state["step"] + 1) / 50) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def resume_from(checkpoint: Path, key: str, module, optimizer, rng, echo) -> dict | None:
+    """Load a checkpoint's weights (under `key`), optimizer and sampling state; its progress, or
+    None when there is no checkpoint."""
+    import torch
+
+    if not checkpoint.is_file():
+        return None
+    saved = torch.load(checkpoint, weights_only=False)
+    module.load_state_dict(saved[key])
+    optimizer.load_state_dict(saved["optimizer"])
+    rng.setstate(saved["rng"])
+    state = saved["state"]
+    echo(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
     return state
 
 
