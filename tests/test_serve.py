@@ -150,7 +150,7 @@ def test_a_full_queue_gets_429_and_a_disconnect_frees_the_worker(tiny):
 
 
 def test_load_mixed_clients_leave_no_trace(served):
-    """8 clients x 4 requests: plain, streamed, cancelled mid-stream, malformed. Every
+    """8 clients x 12 requests (3 rounds of plain, streamed, cancelled mid-stream, malformed). Every
     well-formed one gets the right text; RSS and open files return to their level."""
     from dflash.runtime import Model
 
@@ -163,21 +163,25 @@ def test_load_mixed_clients_leave_no_trace(served):
         rss = int(next(line.split()[1] for line in status.splitlines() if line.startswith("VmRSS")))
         return rss, len(os.listdir("/proc/self/fd"))
 
-    def one_client(i, failures):
+    def one_round():
+        got = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=16, temperature=0)
+        assert got.choices[0].message.content == want
+        stream = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=16, temperature=0,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
+        raw = Raw(url)
+        raw.open_stream("/chat/completions", {"model": name, "messages": MESSAGES, "max_tokens": 60,
+                                              "stream": True}).close()  # hangs up after the first event
+        assert raw.post("/chat/completions", "{")[0] == 400
+
+    def one_client(i, failures, rounds=3):
         try:
-            got = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=16, temperature=0)
-            assert got.choices[0].message.content == want
-            stream = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=16, temperature=0,
-                                                    stream=True)
-            assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == want
-            raw = Raw(url)
-            raw.open_stream("/chat/completions", {"model": name, "messages": MESSAGES, "max_tokens": 60,
-                                                  "stream": True}).close()  # hangs up after the first event
-            assert raw.post("/chat/completions", "{")[0] == 400
+            for _ in range(rounds):
+                one_round()
         except Exception as e:  # noqa: BLE001 - reported below
             failures.append(f"client {i}: {e!r}")
 
-    one_client(-1, [])  # warm-up: sessions, pools, the client's connections
+    one_client(-1, [], rounds=1)  # warm-up: sessions, pools, the client's connections
     time.sleep(0.5)
     before = rss_and_files()
     failures: list[str] = []
