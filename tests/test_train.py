@@ -118,6 +118,15 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     later = train(source, manifest, [tmp_path / "data"], tmp_path / "drafter", tmp_path / "cache", max_steps=30,
                   resume=True, **options)
     assert later["step"] == 30 and len(later["history"]) == len(first["history"]) + 1
+    warm = train(source, manifest, [tmp_path / "data"], tmp_path / "warm", tmp_path / "cache", max_steps=0,
+                 init_from=tmp_path / "drafter", **options)  # no step: saves the weights as loaded
+    assert warm["step"] == 0
+    from safetensors.torch import load_file
+    saved, loaded = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("drafter", "warm"))
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    with pytest.raises(ValueError, match="another shape"):
+        train(source, manifest, [tmp_path / "data"], tmp_path / "other", tmp_path / "cache", max_steps=1,
+              init_from=tmp_path / "drafter", **{**options, "layers": 2})
 
     from dflash.export.cli import export_eagle3
     from dflash.train import eagle3

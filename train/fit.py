@@ -179,8 +179,9 @@ def block_labels(cache: LabelCache, i: int, anchors, block: int):
 
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
-          text_tokens=0, echo=print) -> dict:
-    """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`."""
+          text_tokens=0, init_from=None, echo=print) -> dict:
+    """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
+    `init_from`: a drafter folder of the same shape to start from (a warm start, fresh optimizer)."""
     import torch
 
     from dflash.export.dflash import DFlashConfig, DFlashDrafter
@@ -209,6 +210,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id))
     drafter = DFlashDrafter(config)
     _init(drafter, seed)
+    if init_from and not resume:
+        warm_start(drafter, init_from, echo)
     embed = target.get_input_embeddings().weight.detach().float()
     lm_head = target.lm_head.weight.detach().float().t().contiguous()
     if d2t is not None:
@@ -254,6 +257,20 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     save(drafter, config, d2t, out)
     _plot(state["history"], out / "training.png")
     return state
+
+
+def warm_start(drafter, folder, echo) -> None:
+    """Copy the weights of the drafter in `folder` (its config must have the same shape)."""
+    from dflash.export.dflash import DFlashDrafter
+
+    source = DFlashDrafter.load(folder)
+    keys = ("hidden_size", "layers", "block_size", "intermediate_size", "target_layer_ids")
+    differ = [k for k in keys if getattr(drafter.config, k) != getattr(source.config, k)]
+    if differ:
+        raise ValueError(f"--init {folder} has another shape ({', '.join(differ)} differ): "
+                         "give the same --layers and --block, or drop --init")
+    drafter.load_state_dict(source.state_dict())
+    echo(f"started from the weights in {folder}")
 
 
 def learning_rate(peak: float, state: dict, budget: float) -> float:
