@@ -91,11 +91,19 @@ def attention(json_out, repeats):
 @main.command()
 @click.option("--json", "json_out", type=click.Path(), help="write the rows here")
 @click.option("--threads", type=int, default=ALL_CORES, show_default=True)
-def matmul(json_out, threads):
+@click.option("--paths", default="native", show_default=True,
+              help="MatMulQ4 kernel paths, comma-separated (native, avx2, portable); native is always timed")
+def matmul(json_out, threads, paths):
     """4-bit MatMul: MatMulQ4 (ours) vs ORT MatMulNBits at the default model's shapes."""
+    from dflash.ops import native_kernel_path, resolve_kernel_path
+
     from .matmul import print_grid, run_grid
 
-    rows = run_grid(threads)
+    try:
+        forced = [resolve_kernel_path(p) for p in paths.split(",") if p]
+    except ValueError as e:
+        raise click.UsageError(str(e))
+    rows = run_grid(threads, [p for p in dict.fromkeys(forced) if p != native_kernel_path()])
     nbits_over_q4 = ratios(rows, ("K", "N", "M"), "q4", "nbits")
     print_grid(rows, nbits_over_q4)
     write_json(json_out, {"machine": machine(), "threads": threads, "rows": rows, "nbits_over_q4": [
@@ -106,12 +114,17 @@ def matmul(json_out, threads):
 @click.option("--bundle", "bundles", multiple=True, required=True, help="bundle folder; repeat to compare")
 @click.option("--threads", type=int, default=ALL_CORES, show_default=True)
 @click.option("--repeats", default=20, show_default=True)
+@click.option("--paths", default="native", show_default=True,
+              help="quantized MatMul kernel paths to time, comma-separated: native, avx2, portable")
 @click.option("--json", "json_out", type=click.Path(), help="write the rows here")
-def verify(bundles, threads, repeats, json_out):
+def verify(bundles, threads, repeats, paths, json_out):
     """Whole-target forward time for S new rows (a verify of S candidates) at past 256 and 2048."""
     from .verify import print_table, time_forwards
 
-    rows = time_forwards(bundles, threads, repeats)
+    try:
+        rows = time_forwards(bundles, threads, repeats, [p for p in paths.split(",") if p])
+    except ValueError as e:
+        raise click.UsageError(str(e))
     print_table(rows)
     write_json(json_out, {"machine": machine(), "threads": threads, "rows": rows})
 

@@ -11,10 +11,13 @@ import statistics
 def machine() -> dict:
     import onnxruntime
 
+    from dflash.ops import native_kernel_path
+
     cpu = next((line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo")
                 if line.startswith("model name")), platform.processor())
     return {"cpu": cpu, "cores": len(os.sched_getaffinity(0)), "python": platform.python_version(),
-            "onnxruntime": onnxruntime.__version__, "date": datetime.date.today().isoformat()}
+            "onnxruntime": onnxruntime.__version__,
+            "kernels": native_kernel_path(), "date": datetime.date.today().isoformat()}
 
 
 class OrtRunner:

@@ -14,7 +14,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dflash.ops.models import q4_model
 
-IMPLS = ("q4", "nbits")
+IMPLS = ("q4", "nbits")  # "q4" runs the CPU's own kernel path; "q4 avx2" etc. a forced one
 
 
 def build_model(impl: str, weight: np.ndarray) -> bytes:
@@ -37,6 +37,14 @@ def build_model(impl: str, weight: np.ndarray) -> bytes:
 
 
 def make_session(impl: str, weight: np.ndarray, threads: int) -> ort.InferenceSession:
+    from dflash.ops import kernel_path
+
+    impl, _, path = impl.partition(" ")
+    with kernel_path(path or "native"):  # the op library reads it when the session creates the kernel
+        return _session(impl, weight, threads)
+
+
+def _session(impl: str, weight: np.ndarray, threads: int) -> ort.InferenceSession:
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
@@ -47,14 +55,15 @@ def make_session(impl: str, weight: np.ndarray, threads: int) -> ort.InferenceSe
     return ort.InferenceSession(build_model(impl, weight), opts, providers=["CPUExecutionProvider"])
 
 
-def bench_pair(K: int, N: int, rows: list[int], threads: int, repeats: int = 7, calls: int = 50) -> list[dict]:
+def bench_pair(K: int, N: int, rows: list[int], threads: int, repeats: int = 7, calls: int = 50,
+               impls=IMPLS) -> list[dict]:
     """µs per call of each implementation for each row count, interleaved, median of `repeats`."""
     weight = np.random.default_rng(0).standard_normal((K, N), dtype=np.float32) * 0.05
-    sessions = {impl: make_session(impl, weight, threads) for impl in IMPLS}
+    sessions = {impl: make_session(impl, weight, threads) for impl in impls}
     out = []
     for m in rows:
         a = np.random.default_rng(m).standard_normal((m, K), dtype=np.float32)
-        times = {impl: [] for impl in IMPLS}
+        times = {impl: [] for impl in sessions}
         for _ in range(repeats):
             for impl, sess in sessions.items():
                 sess.run(None, {"a": a})
@@ -70,21 +79,26 @@ def bench_pair(K: int, N: int, rows: list[int], threads: int, repeats: int = 7, 
 SHAPES = [(576, 960), (576, 576), (576, 3072), (1536, 576), (576, 49152)]  # SmolLM2: qkv, o, gate|up, down, lm_head
 
 
-def run_grid(threads: int) -> list[dict]:
-    """`dflash-bench matmul`: both implementations at the default model's shapes, 1 to 64 rows."""
+def run_grid(threads: int, forced_paths=()) -> list[dict]:
+    """`dflash-bench matmul`: both implementations at the default model's shapes, 1 to 64 rows,
+    and MatMulQ4 on each forced kernel path (e.g. "avx2")."""
     import click
 
+    impls = IMPLS + tuple(f"q4 {p}" for p in forced_paths)
     rows = []
     with click.progressbar(SHAPES, label="matmul", file=sys.stderr) as bar:
         for K, N in bar:
-            rows += bench_pair(K, N, [1, 2, 4, 16, 64], threads)
+            rows += bench_pair(K, N, [1, 2, 4, 8, 16, 64], threads, impls=impls)
     return rows
 
 
 def print_grid(rows: list[dict], nbits_over_q4: dict) -> None:
     import click
 
-    click.echo(f"{'K':>5s} {'N':>6s} {'M':>3s} {'q4 us':>9s} {'nbits us':>9s} {'nbits/q4':>9s}")
+    forced = [i for i in dict.fromkeys(r["impl"] for r in rows) if i not in IMPLS]
+    click.echo(f"{'K':>5s} {'N':>6s} {'M':>3s} {'q4 us':>9s} {'nbits us':>9s} {'nbits/q4':>9s}"
+               + "".join(f" {i + ' us':>14s}" for i in forced))
     for (K, N, m), ratio in nbits_over_q4.items():
         us = {r["impl"]: r["us"] for r in rows if (r["K"], r["N"], r["M"]) == (K, N, m)}
-        click.echo(f"{K:5d} {N:6d} {m:3d} {us['q4']:9.1f} {us['nbits']:9.1f} {ratio:9.2f}")
+        click.echo(f"{K:5d} {N:6d} {m:3d} {us['q4']:9.1f} {us['nbits']:9.1f} {ratio:9.2f}"
+                   + "".join(f" {us[i]:14.1f}" for i in forced))

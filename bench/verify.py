@@ -13,16 +13,23 @@ import numpy as np
 GRID = [(past, s) for past in (256, 2048) for s in (1, 2, 4, 8, 16, 32)]  # (cached rows, new rows)
 
 
-def time_forwards(bundles, threads: int, repeats: int) -> list[dict]:
-    """One row per bundle and (past, S): the median ms of a forward; configurations that do not
-    fit a bundle's cache are left out."""
+def time_forwards(bundles, threads: int, repeats: int, paths=("native",)) -> list[dict]:
+    """One row per bundle, quantized MatMul kernel path and (past, S): the median ms of a forward;
+    configurations that do not fit a bundle's cache are left out."""
+    from dflash.ops import kernel_path, resolve_kernel_path
     from dflash.runtime.bundle import load_bundle
     from dflash.runtime.target import Target, causal_mask
 
     names = [Path(path).name for path in bundles]  # e.g. smollm2, smollm2-gqa
     if len(set(names)) < len(names):
         names = [str(path) for path in bundles]
-    targets = {name: Target(load_bundle(path), threads) for name, path in zip(names, bundles)}
+    paths = list(dict.fromkeys(resolve_kernel_path(p) for p in paths))
+    targets, path_of = {}, {}
+    for path in paths:
+        with kernel_path(path):  # read when the session creates its kernels
+            for name, folder in zip(names, bundles):
+                key = name if len(paths) == 1 else f"{name} {path}"
+                targets[key], path_of[key] = Target(load_bundle(folder), threads), path
     rows = []
     with click.progressbar(GRID, label="verify", file=sys.stderr) as bar:
         for past, s in bar:
@@ -39,7 +46,7 @@ def time_forwards(bundles, threads: int, repeats: int) -> list[dict]:
                         target.forward(ids, np.arange(past, past + s), mask, past)
                         if run >= 2:  # the first two re-warm the cache
                             times[name].append((time.perf_counter() - start) * 1e3)
-            rows += [{"bundle": name, "past": past, "S": s, "ms": float(np.median(t))}
+            rows += [{"bundle": name, "kernels": path_of[name], "past": past, "S": s, "ms": float(np.median(t))}
                      for name, t in times.items() if t]
     return rows
 
@@ -50,3 +57,12 @@ def print_table(rows: list[dict]) -> None:
     for past, s in GRID:
         ms = {r["bundle"]: r["ms"] for r in rows if (r["past"], r["S"]) == (past, s)}
         click.echo(f"{past:5d} {s:3d} " + " ".join(f"{ms.get(n, float('nan')):14.2f}" for n in names))
+    for past in sorted({p for p, _ in GRID}):
+        for s in (8, 16):  # what a verify of s rows costs in one-token steps
+            ratio = {n: step_ratio(rows, n, past, s) for n in names}
+            click.echo(f"T({s})/T(1) past {past}: " + "  ".join(f"{n} {r:.2f}" for n, r in ratio.items() if r))
+
+
+def step_ratio(rows: list[dict], bundle: str, past: int, s: int) -> float | None:
+    ms = {r["S"]: r["ms"] for r in rows if r["bundle"] == bundle and r["past"] == past}
+    return ms[s] / ms[1] if s in ms and 1 in ms else None

@@ -81,3 +81,49 @@ def register(sess_options) -> str:
             f"({_BUILD_HINT})."
         ) from e
     return path
+
+
+KERNELS_VAR = "DFLASH_OPS_KERNELS"  # portable | avx2: caps the quantized MatMul kernel path
+PATHS = ("avx512", "avx2", "portable")
+
+
+def native_kernel_path() -> str:
+    """The quantized MatMul path this CPU runs by default (the op library's own choice)."""
+    try:
+        flags = set(next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split())
+    except (OSError, StopIteration):
+        return "portable"
+    if {"avx512f", "avx512bw", "avx512_vnni"} <= flags:
+        return "avx512"
+    return "avx2" if {"avx2", "fma"} <= flags else "portable"
+
+
+def resolve_kernel_path(path: str) -> str:
+    """"native" -> this CPU's path; a path the CPU cannot run is an error (it cannot be forced up)."""
+    native = native_kernel_path()
+    if path == "native":
+        return native
+    if path not in PATHS:
+        raise ValueError(f"unknown kernel path {path!r}; choose native, {', '.join(PATHS)}")
+    if PATHS.index(path) < PATHS.index(native):
+        raise ValueError(f"this CPU cannot run the {path} path (its best is {native}); choose {native} or below")
+    return path
+
+
+class kernel_path:
+    """``with kernel_path("avx2"): ...``: sessions created inside run that quantized MatMul path
+    (the op library reads it when a session creates its kernels)."""
+
+    def __init__(self, path: str):
+        self.path = resolve_kernel_path(path)
+
+    def __enter__(self):
+        self.before = os.environ.pop(KERNELS_VAR, None)
+        if self.path != native_kernel_path():
+            os.environ[KERNELS_VAR] = self.path
+        return self
+
+    def __exit__(self, *exc):
+        os.environ.pop(KERNELS_VAR, None)
+        if self.before is not None:
+            os.environ[KERNELS_VAR] = self.before

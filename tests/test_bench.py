@@ -44,3 +44,18 @@ def test_verify_times_every_fitting_configuration(tiny, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     # the 128-row bundle fits no configuration (past 256 or 2048): left out, no error
     assert len(rows) == 12 and all(r["ms"] > 0 for r in rows) and "ms per forward" in result.output
+
+
+def test_verify_times_each_forced_kernel_path(tiny, tmp_path):
+    from dflash.ops import native_kernel_path
+
+    out = tmp_path / "verify.json"
+    bundle = tiny("llama", max_len=2048 + 32, dtype="int4")[0]
+    result = CliRunner().invoke(main, ["verify", "--bundle", str(bundle), "--paths", "native,portable", "--repeats", "1",
+                                       "--threads", "1", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert {r["kernels"] for r in report["rows"]} == {native_kernel_path(), "portable"} and len(report["rows"]) == 24
+    assert report["machine"]["kernels"] == native_kernel_path() and "T(8)/T(1) past 256" in result.output
+    refused = CliRunner().invoke(main, ["verify", "--bundle", str(bundle), "--paths", "sse9"])
+    assert refused.exit_code == 2 and "unknown kernel path 'sse9'" in refused.output
