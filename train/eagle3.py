@@ -128,8 +128,11 @@ def new_head(tc, taps, d2t, lm_head, seed: int):
 
 
 def save(head, out: Path) -> None:
-    """The head in the reference layout: config.json + model.safetensors (midlayer.*, d2t)."""
+    """The head in the reference layout: config.json + model.safetensors (midlayer.*, d2t), its
+    weights in bf16 like the published heads (half the size; the exporter runs them in fp32)."""
     from safetensors.torch import save_file
+
+    import torch
 
     top = ("fc.", "norm.", "lm_head.", "d2t")
     state = {}
@@ -138,7 +141,8 @@ def save(head, out: Path) -> None:
             name = "midlayer.self_attn." + name
         elif not name.startswith(top):
             name = "midlayer." + name
-        state[name] = tensor.detach().contiguous()
+        tensor = tensor.detach()
+        state[name] = (tensor.to(torch.bfloat16) if tensor.is_floating_point() else tensor).contiguous()
     (out / "config.json").write_text(json.dumps(head.config.raw, indent=1))
     save_file(state, str(out / "model.safetensors"))
 
