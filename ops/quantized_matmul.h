@@ -90,6 +90,16 @@ inline int32_t quad_at(const int8_t* q) {
 }
 
 #ifdef DFLASH_QMM_X86
+// Ask for the tile-block kPrefetchBlocks ahead (this tile's later blocks, then the next tile's): the
+// weights stream from memory once per call, and with several rows the dot products leave the
+// hardware prefetcher too little slack. Measured on the whole model's MatMul sequence, one thread,
+// AMD Zen 4: 8 rows 11.7 -> 9.4 ms (AVX-512), 15.9 -> 14.5 ms (AVX2); one row unchanged.
+constexpr int64_t kPrefetchBlocks = 16;
+inline void prefetch_ahead(const Job& job, int64_t t, int64_t b) {
+  const char* ahead = reinterpret_cast<const char*>(job.tile_block(t, b)) + kPrefetchBlocks * job.tile_bytes;
+  for (int64_t line = 0; line < job.tile_bytes; line += 64) _mm_prefetch(ahead + line, _MM_HINT_T0);
+}
+
 // An empty asm that claims to change v: the compiler must hold v in a register here. Without it GCC
 // regroups a row group's int16 additions into a tree over the whole block (integer sums may be
 // reordered), which needs more than 16 registers and spills the products to the stack.

@@ -155,8 +155,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
     from dflash.runtime.bundle import tap_columns
 
     from .data import Target
-    from .fit import (LabelCache, draft_vocabulary, learning_rate, load_sequences, native_bf16, resume_from,
-                      text_sequences)
+    from .fit import (LabelCache, draft_vocabulary, learning_rate, load_sequences, native_bf16, plot_history,
+                      resume_from, text_sequences)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -212,6 +212,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
                         "rng": rng.getstate()}, checkpoint)
             last_eval = time.perf_counter()
     save(head, out)
+    plot_history(state["history"], out / "training.png")
     return state
 
 

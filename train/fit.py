@@ -255,7 +255,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
                         "rng": rng.getstate()}, checkpoint)
             last_eval = time.perf_counter()
     save(drafter, config, d2t, out)
-    _plot(state["history"], out / "training.png")
+    plot_history(state["history"], out / "training.png")
     return state
 
 
@@ -363,7 +363,8 @@ def save(drafter, config, d2t, out: Path) -> None:
     save_file(state, str(out / "model.safetensors"))
 
 
-def _plot(history: list[dict], path: Path) -> None:
+def plot_history(history: list[dict], path: Path) -> None:
+    """Loss and held-out tau against training minutes (skipped without matplotlib)."""
     if not history:
         return
     try:
