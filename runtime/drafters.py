@@ -228,3 +228,51 @@ class ModelDrafter(Drafter):
                 draft.parents.append(parent)
             parent = self.main[-1]
         return draft
+
+
+class HybridDrafter(Drafter):
+    """One verify over a trained drafter's candidates (DFlash or EAGLE-3) and, when the text so far
+    repeats itself or the corpus of earlier answers continues it, the lookup continuation as its
+    own branch (merged where the two agree), so copied stretches and new text are both covered."""
+
+    wants_taps = True
+    LOOKUP_MIN_MATCH = 2  # a one-token match continues correctly too rarely to pay its rows
+
+    def __init__(self, policy: Policy, drafter: Drafter, lookup: LookupDrafter):
+        super().__init__(policy)
+        self.drafter, self.lookup = drafter, lookup
+        self.copied: list[int] = []  # node indices of the lookup branch
+
+    def begin(self) -> None:
+        self.drafter.begin()
+
+    def add_context(self, rows: np.ndarray) -> None:
+        self.drafter.add_context(rows)
+
+    def propose(self, history: list[int], room: int) -> Draft:
+        draft = self.drafter.propose(history, room)
+        self.main = self.drafter.main
+        copied = self.lookup.propose(history, room - len(draft))
+        if not self._lookup_branch():
+            return draft
+        children = {(p, t): node for node, (t, p) in enumerate(zip(draft.tokens, draft.parents))}
+        parent, self.copied = -1, []
+        for token in copied.tokens:  # follow the drafter's tree while it agrees, then branch off
+            node = children.get((parent, token))
+            if node is None:
+                node = len(draft.tokens)
+                draft.tokens.append(token)
+                draft.parents.append(parent)
+            self.copied.append(node)
+            parent = node
+        return draft
+
+    def observe(self, draft: Draft, rows: list[int], draft_ms: float, verify_ms: float) -> None:
+        self.drafter.observe(draft, rows, draft_ms, verify_ms)
+        if self._lookup_branch() and self.copied:
+            self.lookup.by_source[self.lookup.source].observe(len(self.copied), accepted_along(rows, self.copied))
+
+    def _lookup_branch(self) -> bool:
+        """Whether the last lookup draft earns its rows: a match of 2+ tokens, or the corpus's."""
+        source = self.lookup.source
+        return source == "corpus" or source >= self.LOOKUP_MIN_MATCH

@@ -11,9 +11,9 @@ from typing import Iterator
 import numpy as np
 
 from .bundle import BundleError, load_bundle
-from .dflash import DFlashDrafter, DrafterSession, HybridDrafter
+from .dflash import DFlashDrafter, DrafterSession
 from .eagle3 import Eagle3Drafter, Eagle3Session
-from .drafters import Drafter, LookupDrafter, ModelDrafter
+from .drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
 from .policy import Policy, VerifyCost
 from .sampling import Sampler, SamplingParams
 from .speculative import speculative_steps
@@ -115,7 +115,7 @@ class Model:
         if "drafter" in self.bundle.graphs:
             names += ["dflash", "dflash-tree", "dflash-hybrid"]
         if "eagle3" in self.bundle.graphs:
-            names += ["eagle3", "eagle3-tree"]
+            names += ["eagle3", "eagle3-tree", "eagle3-hybrid"]
         for name in self.bundle.manifest.get("drafters", {}):
             names += [name, f"{name}-tree"]
         return names
@@ -160,7 +160,10 @@ class Model:
                 if self._eagle3 is None:
                     threads = len(self.draft_cores) if self.draft_cores else self.threads
                     self._eagle3 = Eagle3Session(self.bundle, threads, self.draft_cores)
-                self._drafters[key] = Eagle3Drafter(policy, self._eagle3, tree=name == "eagle3-tree")
+                eagle3 = Eagle3Drafter(policy, self._eagle3, tree=name != "eagle3")
+                if name == "eagle3-hybrid":
+                    eagle3 = HybridDrafter(policy, eagle3, LookupDrafter(policy, corpus=self._corpus()))
+                self._drafters[key] = eagle3
             else:
                 tree = name.endswith("-tree")
                 model = self._draft_model(name.removesuffix("-tree"))

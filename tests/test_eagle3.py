@@ -129,10 +129,10 @@ def test_eagle3_modes_are_lossless(eagle3_bundle):
     from dflash.runtime import Model
 
     model = Model(eagle3_bundle)
-    assert {"eagle3", "eagle3-tree"} <= set(model.drafters)
+    assert {"eagle3", "eagle3-tree", "eagle3-hybrid"} <= set(model.drafters)
     for ids in (list(range(4, 40, 3)), [5, 9, 9, 9, 12, 5, 9, 9]):
         plain = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True).tokens
-        for drafter in ("eagle3", "eagle3-tree"):
+        for drafter in ("eagle3", "eagle3-tree", "eagle3-hybrid"):
             for draft_len in (None, 3):
                 got = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True, drafter=drafter,
                                      draft_len=draft_len)
@@ -145,7 +145,7 @@ def test_eagle3_sampling_repeats_with_a_seed(eagle3_bundle):
     model = Model(eagle3_bundle)
     ids = list(range(4, 30, 2))
     plain = model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=3).tokens
-    for drafter in ("eagle3", "eagle3-tree"):
+    for drafter in ("eagle3", "eagle3-tree", "eagle3-hybrid"):
         got = model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, temperature=0.8, seed=3,
                              drafter=drafter, draft_len=3).tokens
         assert got == plain, drafter
@@ -216,6 +216,6 @@ def test_eagle3_to_a_full_cache(eagle3_bundle):
     model = Model(eagle3_bundle)
     ids = list(range(4, 40, 3))
     plain = model.generate(input_ids=ids, max_new_tokens=500, ignore_eos=True)
-    for drafter in ("eagle3", "eagle3-tree"):
+    for drafter in ("eagle3", "eagle3-tree", "eagle3-hybrid"):
         got = model.generate(input_ids=ids, max_new_tokens=500, ignore_eos=True, drafter=drafter, draft_len=6)
         assert got.tokens == plain.tokens and got.finish_reason == plain.finish_reason, drafter
