@@ -193,12 +193,15 @@ def export_draft_lm(src, target_dir, self_dtype=None, dtype="fp32"):
 def drafter(src, target_dir, dtype, draft_vocab, vocab_text):
     """Add a drafter to a target bundle. SRC is a DFlash checkpoint folder in z-lab's layout
     (config.json + safetensors, e.g. z-lab/Qwen3-4B-DFlash-b16) trained for that target,
-    'default' (the DFlash drafter this project trained for the default model), or an EAGLE-3
-    head folder (SafeAILab's `midlayer.*` layout or vllm-project/speculators' `layers.0.*`)."""
+    'default' (the DFlash drafter this project trained for the default model), an EAGLE-3
+    head folder (SafeAILab's `midlayer.*` layout or vllm-project/speculators' `layers.0.*`), or
+    'default-eagle3' (the EAGLE-3 head this project trained for the default model)."""
     from .eagle3 import is_eagle3
 
     try:
-        if src != "default" and is_eagle3(Path(src)):
+        if src == "default-eagle3":
+            export_eagle3(shipped(DEFAULT_EAGLE3), target_dir)
+        elif src != "default" and is_eagle3(Path(src)):
             export_eagle3(src, target_dir)
         else:
             export_dflash(src, target_dir, dtype, draft_vocab=draft_vocab, vocab_text=vocab_text)
@@ -206,7 +209,15 @@ def drafter(src, target_dir, dtype, draft_vocab, vocab_text):
         raise click.ClickException(str(e))
 
 
-DEFAULT_DRAFTER = Path(__file__).parent / "default_drafter"  # trained for the default model (issue 6)
+DEFAULT_DRAFTER = Path(__file__).parent / "default_drafter"  # trained for the default model (issue 15)
+DEFAULT_EAGLE3 = Path(__file__).parent / "default_eagle3"  # likewise, an EAGLE-3 head (issue 17)
+
+
+def shipped(folder: Path) -> Path:
+    """A drafter folder shipped with the package, or a clear error if the install lacks it."""
+    if not (folder / "config.json").is_file():
+        raise SourceError(f"the shipped drafter is missing from {folder}; reinstall dflash-ort")
+    return folder
 
 
 def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()):
@@ -222,9 +233,7 @@ def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()
     progress = Progress(4 + (dtype != "fp32") + bool(draft_vocab))
     manifest = read_target_manifest(target_dir)
     if src == "default":
-        src = DEFAULT_DRAFTER
-        if not (src / "config.json").is_file():
-            raise SourceError(f"the default drafter is missing from {src}; reinstall dflash-ort")
+        src = shipped(DEFAULT_DRAFTER)
     progress(f"loading the drafter {src} and the target's embedding and lm_head")
     drafter = DFlashDrafter.load(src)
     c = drafter.config

@@ -134,6 +134,10 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     head = eagle3.train(source, manifest, [tmp_path / "data"], tmp_path / "head", tmp_path / "cache", draft_vocab=120,
                         minutes=5, max_steps=6, text_tokens=100, echo=lambda m: None)  # the same label cache
     assert head["step"] == 6 and head["history"]
+    eagle3.train(source, manifest, [tmp_path / "data"], tmp_path / "head2", tmp_path / "cache", draft_vocab=120,
+                 minutes=5, max_steps=0, text_tokens=100, init_from=tmp_path / "head", echo=lambda m: None)
+    saved, loaded = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("head", "head2"))
+    assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
     export_dflash(tmp_path / "drafter", tmp_path / "bundle")
     export_eagle3(tmp_path / "head", tmp_path / "bundle")
     model = Model(tmp_path / "bundle")

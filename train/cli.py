@@ -77,7 +77,8 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed):
 @click.option("--seed", default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
 @click.option("--init", "init_from", type=click.Path(exists=True, file_okay=False),
-              help="dflash: start from this drafter's weights (e.g. export/default_drafter) with a fresh optimizer")
+              help="start from this drafter's weights (e.g. export/default_drafter or export/default_eagle3) "
+                   "with a fresh optimizer")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
         mask_token_id, text_tokens, threads, seed, resume, init_from):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
@@ -95,12 +96,10 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
     if arch == "eagle3":
         from . import eagle3
 
-        if init_from:
-            raise click.ClickException("--init is for DFlash drafters; an EAGLE-3 fit continues with --resume")
         taps = [int(t) for t in head_taps.split(",")] if head_taps else None
         eagle3.train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", taps=taps,
                      draft_vocab=draft_vocab or 8192, minutes=minutes, lr=min(lr, 3e-4), seed=seed, resume=resume,
-                     text_tokens=text_tokens, echo=lambda m: click.echo(m, err=True))
+                     text_tokens=text_tokens, init_from=init_from, echo=lambda m: click.echo(m, err=True))
         return
     train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,

@@ -127,6 +127,22 @@ def new_head(tc, taps, d2t, lm_head, seed: int):
     return head
 
 
+def warm_start(head, folder, layers: int, echo) -> None:
+    """Copy the weights of the head in `folder` (same taps, sizes and draft vocabulary)."""
+    import torch
+
+    from dflash.export.eagle3 import Eagle3Head
+
+    source = Eagle3Head.load(folder, layers)
+    mine, theirs = head.state_dict(), source.state_dict()
+    differ = sorted(k for k in mine if k not in theirs or theirs[k].shape != mine[k].shape)
+    if differ or not torch.equal(mine["d2t"], theirs["d2t"].to(mine["d2t"].dtype)):
+        raise ValueError(f"--init {folder} is a head of another shape or draft vocabulary "
+                         f"({', '.join(differ) or 'd2t'} differ): drop --init or give a head fitted on this cache")
+    head.load_state_dict(theirs)
+    echo(f"started from the weights in {folder}")
+
+
 def save(head, out: Path) -> None:
     """The head in the reference layout: config.json + model.safetensors (midlayer.*, d2t), its
     weights in bf16 like the published heads (half the size; the exporter runs them in fp32)."""
@@ -148,8 +164,9 @@ def save(head, out: Path) -> None:
 
 
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, draft_vocab=8192, minutes=30.0,
-          lr=3e-4, seed=0, resume=False, max_steps=None, text_tokens=0, echo=print) -> dict:
-    """Fit an EAGLE-3 head on the same rows and label cache as the DFlash fit."""
+          lr=3e-4, seed=0, resume=False, max_steps=None, text_tokens=0, init_from=None, echo=print) -> dict:
+    """Fit an EAGLE-3 head on the same rows and label cache as the DFlash fit; `init_from`: a
+    head folder of the same shape to start from (a warm start, fresh optimizer)."""
     import torch
 
     from dflash.runtime.bundle import tap_columns
@@ -177,6 +194,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
     cache.build(target, rows, echo)
     columns = torch.from_numpy(tap_columns(manifest["taps"], tc.hidden_size, taps))
     head = new_head(tc, taps, d2t, target.lm_head.weight.detach().float(), seed)
+    if init_from and not resume:
+        warm_start(head, init_from, tc.num_hidden_layers, echo)
     embed = target.get_input_embeddings().weight.detach().float()
     cos, sin = head.config.rotary_tables(max(len(r["prompt"]) + len(r["answer"]) for r in rows) + 1)
     held = max(1, len(rows) // 20)
