@@ -75,7 +75,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(con
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* tb = job.tile_block(t, b);
-    prefetch_ahead(job, t, b);  // a hint past the end of the weights is harmless: prefetches never fault
+    if (job.M > 1) prefetch_ahead(job, t, b);  // past the end of the weights is harmless: prefetches never fault
     __m512i dot[R][kChains];  // the low-nibble and high-nibble halves of a row's dot
     for (int r = 0; r < R; ++r) {
       dot[r][0] = _mm512_set1_epi32(-kZero * qsum[r * KB + b]);
@@ -132,7 +132,7 @@ __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t 
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* tb = job.tile_block(t, b) + 32 * half;
-      if (half == 0) prefetch_ahead(job, t, b);
+      if (half == 0 && job.M > 1) prefetch_ahead(job, t, b);
       __m256i pairs[R];
       for (int r = 0; r < R; ++r) pairs[r] = _mm256_setzero_si256();
       for (int c4 = 0; c4 < 4; ++c4) {
