@@ -88,6 +88,16 @@ def attention(json_out, repeats):
         {"S": k[0], "past": k[1], "threads": k[2], "heads": list(k[3]), "ratio": v} for k, v in gqa_over_custom.items()]})
 
 
+def kernel_paths(text: str) -> list[str]:
+    """A --paths value as distinct kernel paths ("native" resolved), or a usage error naming the bad one."""
+    from dflash.ops import resolve_kernel_path
+
+    try:
+        return list(dict.fromkeys(resolve_kernel_path(p) for p in text.split(",") if p))
+    except ValueError as e:
+        raise click.UsageError(str(e))
+
+
 @main.command()
 @click.option("--json", "json_out", type=click.Path(), help="write the rows here")
 @click.option("--threads", type=int, default=ALL_CORES, show_default=True)
@@ -95,15 +105,11 @@ def attention(json_out, repeats):
               help="MatMulQ4 kernel paths, comma-separated (native, avx2, portable); native is always timed")
 def matmul(json_out, threads, paths):
     """4-bit MatMul: MatMulQ4 (ours) vs ORT MatMulNBits at the default model's shapes."""
-    from dflash.ops import native_kernel_path, resolve_kernel_path
+    from dflash.ops import native_kernel_path
 
     from .matmul import print_grid, run_grid
 
-    try:
-        forced = [resolve_kernel_path(p) for p in paths.split(",") if p]
-    except ValueError as e:
-        raise click.UsageError(str(e))
-    rows = run_grid(threads, [p for p in dict.fromkeys(forced) if p != native_kernel_path()])
+    rows = run_grid(threads, [p for p in kernel_paths(paths) if p != native_kernel_path()])
     nbits_over_q4 = ratios(rows, ("K", "N", "M"), "q4", "nbits")
     print_grid(rows, nbits_over_q4)
     write_json(json_out, {"machine": machine(), "threads": threads, "rows": rows, "nbits_over_q4": [
@@ -121,10 +127,7 @@ def verify(bundles, threads, repeats, paths, json_out):
     """Whole-target forward time for S new rows (a verify of S candidates) at past 256 and 2048."""
     from .verify import print_table, time_forwards
 
-    try:
-        rows = time_forwards(bundles, threads, repeats, [p for p in paths.split(",") if p])
-    except ValueError as e:
-        raise click.UsageError(str(e))
+    rows = time_forwards(bundles, threads, repeats, kernel_paths(paths))
     print_table(rows)
     write_json(json_out, {"machine": machine(), "threads": threads, "rows": rows})
 

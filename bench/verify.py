@@ -14,8 +14,8 @@ GRID = [(past, s) for past in (256, 2048) for s in (1, 2, 4, 8, 16, 32)]  # (cac
 
 
 def time_forwards(bundles, threads: int, repeats: int, paths=("native",)) -> list[dict]:
-    """One row per bundle, quantized MatMul kernel path and (past, S): the median ms of a forward;
-    configurations that do not fit a bundle's cache are left out."""
+    """One row per bundle, quantized MatMul kernel path (distinct, e.g. ["avx512", "avx2"]) and
+    (past, S): the median ms of a forward; configurations that do not fit a bundle's cache are left out."""
     from dflash.ops import kernel_path, resolve_kernel_path
     from dflash.runtime.bundle import load_bundle
     from dflash.runtime.target import Target, causal_mask
