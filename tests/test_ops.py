@@ -421,24 +421,31 @@ def test_a_row_is_bit_identical_whatever_the_batch(lib, H, Hkv, D, past):
         assert np.array_equal(out, reference[:S]), (threads, S)
 
 
-@pytest.mark.xfail(strict=True, reason="known defect (2026-12-04): a tree branch row's new keys sit at other "
-                   "rows than in plain decoding, so they can fall into other softmax blocks (kKeyBlock) and round "
-                   "differently; the fix groups a branch row's visible keys by their rank, not their row")
-@pytest.mark.parametrize("past", [120, 125, 250])
-def test_a_branch_row_is_bit_identical_to_the_same_token_decoded_alone(lib, past):
-    """A tree node (depth 2, a child of rows 0-1, verified at row 11) must give the bits the same
-    token gets in plain decoding, where its ancestors are cache rows and it is the next row."""
-    H, Hkv, D, C, S = 9, 3, 64, 2048, 12
-    rng = np.random.default_rng(past)
-    base = random_case(rng, S, S, past, C, H, Hkv, D, causal_mask(S))
-    mask = causal_mask(S)
-    mask[11, :] = False
-    mask[11, [0, 1, 11]] = True
-    sess = session(op_model(H, Hkv, D), 1)
-    tree = sess.run(["output"], {**{k: v.copy() for k, v in base.items()}, "mask": mask})[0][0][11]
-    chain = {k: v.copy() for k, v in base.items()}
-    chain.update({n: base[n][:, [0, 1, 11]] for n in ("query", "key", "value")}, mask=causal_mask(3))
-    assert np.array_equal(tree, sess.run(["output"], chain)[0][0][2])
+def decoded_alone(sess, feeds, i):
+    """Row i's output when its token is decoded alone: the new rows it sees follow the cache in
+    order and it is the only query (what plain decoding gives it, its ancestors cached)."""
+    seen = np.flatnonzero(feeds["mask"][i])
+    alone = {k: v.copy() for k, v in feeds.items()}
+    alone.update(query=feeds["query"][:, [i]], key=feeds["key"][:, seen], value=feeds["value"][:, seen],
+                 mask=np.ones((1, len(seen)), bool))
+    return sess.run(["output"], alone)[0][0][0]
+
+
+@pytest.mark.parametrize("H,Hkv,D", [(9, 3, 64), (4, 4, 32), (16, 1, 80)])
+@pytest.mark.parametrize("past", [0, 5, 63, 64, 120, 125, 200, 250, 255, 256, 300, 700, 1500])
+def test_every_tree_row_is_bit_identical_to_its_token_decoded_alone(lib, H, Hkv, D, past):
+    """Losslessness of tree verification: every node, including those off the first chain (whose
+    ancestors sit at verify rows with gaps between them), gives the bits its token gets in plain
+    decoding. Pasts around the softmax block (64) and chunk (256) edges, 1 and 2 threads."""
+    S, C = 24, 2048
+    rng = np.random.default_rng([past, H, D])
+    mask = tree_mask(random_tree(rng, S))
+    feeds = random_case(rng, S, S, past, C, H, Hkv, D, mask)
+    for threads in (1, 2):
+        sess = session(op_model(H, Hkv, D), threads)
+        tree = sess.run(["output"], {k: v.copy() for k, v in feeds.items()})[0][0]
+        for i in range(S):
+            assert np.array_equal(tree[i], decoded_alone(sess, feeds, i)), (threads, i, np.flatnonzero(mask[i]))
 
 
 # ------------------------------------------------------------------------------------------------
