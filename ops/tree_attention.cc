@@ -116,11 +116,10 @@ struct Plan {
   int64_t rows_per_group, n_qgroups, n_chunks, chunk_len, vmax;
   float* partial;  // n_chunks > 1: [Hkv][n_qgroups][n_chunks][vmax][2 + D] = (max, sum, acc)
   const Kernels* kern;
-  // Branch rows (see ranked_tail): per query row, how many new rows it sees if one of them is in
-  // another key block than plain decoding would put it in (a tree node off the first chain), else
-  // -1. tail_begin = the first key row of the block holding row `past`; the key rows below it are
-  // whole blocks of cache rows that every row sees.
-  const int64_t* branch_keys;
+  // Rows that must take their new keys by rank (see ranked_blocks): 1 if one of the new rows a
+  // query row sees lies in another key block than in plain decoding. tail_begin = the first key
+  // row of the block holding row `past`: the rows below it are whole blocks of cache rows.
+  const uint8_t* regroup;
   int64_t tail_begin;
 };
 
@@ -162,67 +161,67 @@ void make_plan(Plan& p) {
   p.vmax = rows * G;
 }
 
-// The keys of a branch row from p.tail_begin on, within chunk c, in the blocks plain decoding
-// would put them in. A branch row (a tree node off the first chain) sees its ancestors and itself
-// at verify rows with gaps between them; decoded alone, the same token sees the same keys at
-// consecutive rows. Its k-th visible key (its rank) therefore decides the block and chunk, not
-// its row: otherwise the online softmax would rescale at other points and round differently, and
-// speculative decoding would stop being lossless. The row's G query lanes (lane0.. in qT) run on
-// their own, on the keys gathered in rank order; every step is lane-wise, so the bits are those
-// of the same lanes in any other call.
-void ranked_tail(const Plan& p, int64_t g, int64_t c, int64_t i, int64_t lane0, const float* qT, int64_t Vp,
-                 float* m_run, float* l_run, float* acc) {
+// The key blocks from p.tail_begin on of the query rows [i0, i1) within chunk c, by rank.
+// A tree node off the first chain sees its ancestors and itself at verify rows with gaps between
+// them; decoded alone, the same token sees the same keys at consecutive rows. So the k-th new row
+// a query row sees (its rank past + k), not its row, decides its block and chunk: otherwise the
+// online softmax would rescale at other points, round differently, and speculative decoding would
+// stop being lossless. Per block: the scores of the cache rows in it (shared by all rows), then one
+// score row per rank, each lane taking the score of its own k-th new row (-inf past its last);
+// after the softmax, each rank's weights go back to the rows they came from and the new value rows
+// are summed in row order, which for every lane is its rank order. Every step is lane-wise, so a
+// lane gets the bits plain decoding gives it.
+void ranked_blocks(const Plan& p, int64_t g, int64_t c, int64_t i0, int64_t i1, const float* qT, int64_t Vp,
+                   float* s, float* m_run, float* l_run, float* acc, float* alpha) {
   static thread_local Scratch scratch;
-  constexpr int64_t L = 16;  // one SIMD width of lanes
-  const int64_t G = p.G, D = p.D;
+  static thread_local std::vector<int64_t> kth, seen;  // kth[r * Skv + k]: the k-th new row row i0 + r sees
+  const int64_t G = p.G, D = p.D, Skv = p.Skv, V = (i1 - i0) * G;
+  kth.resize(static_cast<size_t>((i1 - i0) * Skv));
+  seen.assign(static_cast<size_t>(i1 - i0), 0);
+  int64_t most = 0;
+  for (int64_t i = i0; i < i1; ++i) {
+    int64_t& n = seen[i - i0];
+    for (int64_t j = 0; j < Skv; ++j)
+      if (p.mask[i * Skv + j]) kth[(i - i0) * Skv + n++] = j;
+    most = std::max(most, n);
+  }
   const int64_t r_begin = std::max(p.tail_begin, c * p.chunk_len);
-  const int64_t r_end = std::min(p.past + p.branch_keys[i], (c + 1) * p.chunk_len);
+  const int64_t r_end = std::min(p.past + most, (c + 1) * p.chunk_len);
   if (r_begin >= r_end) return;
-  const int64_t nk = r_end - r_begin;
-  float* q1 = scratch.get(static_cast<size_t>(D * L + kKeyBlock * L + 3 * L + G * D + 2 * nk * D));
-  float* s1 = q1 + D * L;
-  float* m1 = s1 + kKeyBlock * L;
-  float* l1 = m1 + L;
-  float* a1 = l1 + L;
-  float* acc1 = a1 + L;
-  float* keys = acc1 + G * D;
-  float* values = keys + nk * D;
 
-  // Keys of ranks r_begin .. r_end-1: cache rows below past, then the new rows the row sees.
+  // A new row of rank >= r_begin is row j >= r_begin - past (a rank is never above its row).
+  const int64_t j_first = std::max<int64_t>(0, r_begin - p.past), nj = Skv - j_first;
+  float* snew = scratch.get(static_cast<size_t>(2 * nj * Vp + Vp));  // scores of new rows, then weights
+  float* pnew = snew + nj * Vp;
+  float* ones = pnew + nj * Vp;
+  std::fill(ones, ones + Vp, 1.0f);
   const float* kbase = p.kc + g * p.C * D;
   const float* vbase = p.vc + g * p.C * D;
-  const uint8_t* mrow = p.mask + i * p.Skv;
-  int64_t rank = p.past;
-  for (int64_t r = r_begin; r < std::min(r_end, p.past); ++r) {
-    std::memcpy(keys + (r - r_begin) * D, kbase + r * D, static_cast<size_t>(D) * sizeof(float));
-    std::memcpy(values + (r - r_begin) * D, vbase + r * D, static_cast<size_t>(D) * sizeof(float));
-  }
-  for (int64_t j = 0; j < p.Skv && rank < r_end; ++j) {
-    if (!mrow[j]) continue;
-    if (rank >= r_begin) {
-      std::memcpy(keys + (rank - r_begin) * D, kbase + (p.past + j) * D, static_cast<size_t>(D) * sizeof(float));
-      std::memcpy(values + (rank - r_begin) * D, vbase + (p.past + j) * D, static_cast<size_t>(D) * sizeof(float));
-    }
-    ++rank;
-  }
+  for (int64_t j = 0; j < nj; j += kKeyBlock)
+    p.kern->scores(qT, Vp, D, kbase + (p.past + j_first + j) * D, std::min(kKeyBlock, nj - j), snew + j * Vp);
 
-  std::fill(q1, q1 + D * L, 0.0f);
-  for (int64_t d = 0; d < D; ++d) std::copy(qT + d * Vp + lane0, qT + d * Vp + lane0 + G, q1 + d * L);
-  std::fill(m1, m1 + L, -std::numeric_limits<float>::infinity());
-  std::fill(l1, l1 + L, 0.0f);
-  std::copy(m_run + lane0, m_run + lane0 + G, m1);
-  std::copy(l_run + lane0, l_run + lane0 + G, l1);
-  std::copy(acc + lane0 * D, acc + (lane0 + G) * D, acc1);
-  // r_begin is a multiple of kKeyBlock (tail_begin and chunk starts are), so blocks line up.
-  for (int64_t r0 = r_begin; r0 < r_end; r0 += kKeyBlock) {
-    const int64_t n = std::min(kKeyBlock, r_end - r0);
-    p.kern->scores(q1, L, D, keys + (r0 - r_begin) * D, n, s1);
-    p.kern->softmax(s1, n, L, m1, l1, a1);
-    p.kern->accumulate(s1, L, G, n, values + (r0 - r_begin) * D, D, acc1, a1);
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  for (int64_t r0 = r_begin; r0 < r_end; r0 += kKeyBlock) {  // r_begin is a multiple of kKeyBlock
+    const int64_t nc = std::max<int64_t>(0, std::min(p.past, r0 + kKeyBlock) - r0);  // cache rows
+    const int64_t k0 = std::max(r0, p.past) - p.past, k1 = std::min(r0 + kKeyBlock, r_end) - p.past;
+    if (nc > 0) p.kern->scores(qT, Vp, D, kbase + r0 * D, nc, s);
+    std::fill(s + nc * Vp, s + (nc + k1 - k0) * Vp, neg_inf);
+    int64_t j_last = k0;  // new rows k0 .. j_last-1 hold this block's ranks
+    for (int64_t r = 0; r < i1 - i0; ++r)
+      for (int64_t k = k0; k < std::min(k1, seen[r]); ++k) {
+        const int64_t j = kth[r * Skv + k];
+        std::copy_n(snew + (j - j_first) * Vp + r * G, G, s + (nc + k - k0) * Vp + r * G);
+        j_last = std::max(j_last, j + 1);
+      }
+    p.kern->softmax(s, nc + k1 - k0, Vp, m_run, l_run, alpha);
+    if (nc > 0) p.kern->accumulate(s, Vp, V, nc, vbase + r0 * D, D, acc, alpha);
+    std::fill(pnew, pnew + (j_last - k0) * Vp, 0.0f);
+    for (int64_t r = 0; r < i1 - i0; ++r)
+      for (int64_t k = k0; k < std::min(k1, seen[r]); ++k)
+        std::copy_n(s + (nc + k - k0) * Vp + r * G, G, pnew + (kth[r * Skv + k] - k0) * Vp + r * G);
+    // The cache rows' call already rescaled acc by alpha; this one continues the same sums.
+    p.kern->accumulate(pnew, Vp, V, j_last - k0, vbase + (p.past + k0) * D, D, acc, nc > 0 ? ones : alpha);
   }
-  std::copy(m1, m1 + G, m_run + lane0);
-  std::copy(l1, l1 + G, l_run + lane0);
-  std::copy(acc1, acc1 + G * D, acc + lane0 * D);
 }
 
 // One work item: kv head g, query rows [i0, i1), key rows of chunk c.
@@ -268,15 +267,16 @@ void run_item(const Plan& p, int64_t item) {
     return false;
   };
   while (t_end > std::max(t_begin, p.past) && !visible_to_group(t_end - 1)) --t_end;
-  const bool branch_rows = std::any_of(p.branch_keys + i0, p.branch_keys + i1, [](int64_t k) { return k >= 0; });
+  // Rows to regroup: the blocks from tail_begin on go by rank (ranked_blocks) for the whole group.
+  const bool by_rank = std::any_of(p.regroup + i0, p.regroup + i1, [](uint8_t r) { return r != 0; });
+  if (by_rank) t_end = std::min(t_end, p.tail_begin);
   for (int64_t t0 = t_begin; t0 < t_end; t0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, t_end - t0);
     const int64_t j_begin = std::max(t0, p.past);  // first new (masked) key row in this block
-    if (j_begin >= t0 + n && !(branch_rows && t0 >= p.tail_begin)) {
+    if (j_begin >= t0 + n) {
       p.kern->scores(qT, Vp, D, kbase + t0 * D, n, s);
     } else {
-      // The block holds new rows (or cache rows from tail_begin, which branch rows must not see
-      // here): skip it if no row of this group may see any of them.
+      // The block holds new rows: skip it if no row of this group may see any of them.
       bool any = t0 < p.past;
       for (int64_t i = i0; i < i1 && !any; ++i) {
         const uint8_t* mrow = p.mask + i * p.Skv;
@@ -285,21 +285,18 @@ void run_item(const Plan& p, int64_t item) {
       if (!any) continue;
       p.kern->scores(qT, Vp, D, kbase + t0 * D, n, s);
       // Masked (query row, new key) pairs get -inf, for all G heads of the row (lanes r*G .. r*G+G-1).
-      // Branch rows see none of this block here: ranked_tail gives them their keys from here on.
       const float neg_inf = -std::numeric_limits<float>::infinity();
       for (int64_t i = i0; i < i1; ++i) {
         const uint8_t* mrow = p.mask + i * p.Skv;
         float* lanes = s + (i - i0) * G;
-        const bool branch = p.branch_keys[i] >= 0;
-        for (int64_t t = branch ? t0 : j_begin; t < t0 + n; ++t)
-          if (branch || !mrow[t - p.past]) std::fill(lanes + (t - t0) * Vp, lanes + (t - t0) * Vp + G, neg_inf);
+        for (int64_t t = j_begin; t < t0 + n; ++t)
+          if (!mrow[t - p.past]) std::fill(lanes + (t - t0) * Vp, lanes + (t - t0) * Vp + G, neg_inf);
       }
     }
     p.kern->softmax(s, n, Vp, m_run, l_run, alpha);
     p.kern->accumulate(s, Vp, V, n, vbase + t0 * D, D, acc, alpha);
   }
-  for (int64_t i = i0; i < i1 && branch_rows; ++i)
-    if (p.branch_keys[i] >= 0) ranked_tail(p, g, c, i, (i - i0) * G, qT, Vp, m_run, l_run, acc);
+  if (by_rank) ranked_blocks(p, g, c, i0, i1, qT, Vp, s, m_run, l_run, acc, alpha);
 
   if (p.n_chunks == 1) {
     for (int64_t v = 0; v < V; ++v) {
@@ -387,19 +384,15 @@ void attend(OrtKernelContext* context, const Kernels* kern, const float* q, cons
   plan.qscale = scale * 1.4426950408889634f;  // log2(e): the softmax works in base 2
   plan.kern = kern;
   make_plan(plan);
-  static thread_local std::vector<int64_t> branch_keys;
-  branch_keys.assign(static_cast<size_t>(S), -1);
+  static thread_local std::vector<uint8_t> regroup;
+  regroup.assign(static_cast<size_t>(S), 0);
   for (int64_t i = 0; i < S; ++i) {
-    // A row needs its keys regrouped when one of the new rows it sees (its k-th, row j) lies in
-    // another block than its rank past + k: only rows after a gap, and only across a block edge.
+    // Its k-th new row j in another block than rank past + k: only after a gap, across a block edge.
     const uint8_t* row = mask + i * Skv;
-    int64_t seen = 0;
-    bool regroup = false;
-    for (int64_t j = 0; j < Skv; ++j)
-      if (row[j]) regroup |= (past + j) / kKeyBlock != (past + seen++) / kKeyBlock;
-    if (regroup) branch_keys[i] = seen;
+    for (int64_t j = 0, k = 0; j < Skv; ++j)
+      if (row[j]) regroup[i] |= (past + j) / kKeyBlock != (past + k++) / kKeyBlock;
   }
-  plan.branch_keys = branch_keys.data();
+  plan.regroup = regroup.data();
   plan.tail_begin = past / kKeyBlock * kKeyBlock;
 
   const int64_t n_groups = Hkv * plan.n_qgroups;
