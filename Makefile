@@ -7,7 +7,7 @@ BIN    := $(VENV)/bin
 BUNDLE := bundles/smollm2
 PROMPT ?= Explain in three sentences why the sky is blue.
 DRAFTER ?= dflash-hybrid
-# the server's default: a chain drafter (tree modes have a known rare rounding defect; README "Limits")
+# the server's default: the fastest drafter of the drafter benchmark (docs/performance.md)
 SERVE_DRAFTER ?= suffix
 
 .PHONY: demo test ops bench serve clean
@@ -32,9 +32,9 @@ ops: ops/build/libdflash_ops.so
 $(BUNDLE)/dflash.json: | $(VENV)/.installed
 	$(BIN)/dflash-export target default --out $(BUNDLE) --overwrite
 
-# The default drafter (trained by this project, shipped in export/default_drafter); order-only,
-# since adding it rewrites dflash.json.
-$(BUNDLE)/drafter.onnx: | $(BUNDLE)/dflash.json
+# The default drafter (trained by this project, shipped in export/default_drafter), int4 (the
+# export's default); order-only, since adding it rewrites dflash.json.
+$(BUNDLE)/drafter_int4.onnx: | $(BUNDLE)/dflash.json
 	$(BIN)/dflash-export drafter default --target $(BUNDLE)
 
 # The suffix drafter's corpus: the default model's own answers from the drafter campaign
@@ -47,7 +47,7 @@ serve: ops $(BUNDLE)/dflash.json $(BUNDLE)/suffix_corpus.npy
 	$(BIN)/dflash-serve --bundle $(BUNDLE) --drafter $(SERVE_DRAFTER)
 
 # Speculative decoding (DFlash with the suffix corpus, dflash-hybrid, by default), then the same prompt without it: both speeds.
-demo: ops $(BUNDLE)/dflash.json $(BUNDLE)/drafter.onnx $(BUNDLE)/suffix_corpus.npy
+demo: ops $(BUNDLE)/dflash.json $(BUNDLE)/drafter_int4.onnx $(BUNDLE)/suffix_corpus.npy
 	$(BIN)/dflash-generate --bundle $(BUNDLE) --prompt "$(PROMPT)" --max-new-tokens 128 \
 		--drafter $(DRAFTER) --compare --stats
 

@@ -123,24 +123,36 @@ def print_table(report: dict) -> None:
 
 
 def plot(report: dict, path: str) -> None:
+    """Horizontal bars, a mode per row: speedup over its bundle's ar (labelled with tokens/s) and,
+    for speculative modes, tokens per target call. A mode whose output differs from ar is red."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     modes = list(report["modes"])
-    panels = [("tokens_per_s", "decode tokens/s (median over prompts)", "%.1f")]
+    panels = [("speedup", "speedup over plain decoding (ar) of the same bundle")]
     if any(m != "hf" and report["modes"][m].get("accept_hist") for m in modes):
-        panels.append(("mean_accept_len", "tokens per target call", "%.2f"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(len(panels) * (1.1 * len(modes) + 2), 3.8), squeeze=False)
-    for ax, (key, label, fmt) in zip(axes[0], panels):
-        values = [report["modes"][m][key] for m in modes]
-        bars = ax.bar(modes, values, color="#3b7dd8")
-        ax.bar_label(bars, fmt=fmt)
-        ax.set_ylim(0, max(values) * 1.15)
-        ax.set_ylabel(label)
-        ax.tick_params(axis="x", rotation=30)
-    fig.suptitle(f"{report['machine']['cores']} cores, {report['threads']} threads, "
-                 f"{report['max_new_tokens']} new tokens, greedy")
+        panels.append(("mean_accept_len", "tokens per target call"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(6 * len(panels) + 1.5, 0.3 * len(modes) + 1.4),
+                             squeeze=False, sharey=True)
+    colors = ["#c0392b" if report["lossless"].get(m) is False else "#3b7dd8" for m in modes]
+    for ax, (key, label) in zip(axes[0], panels):
+        if key == "speedup":
+            values = [report["speedup"][m] for m in modes]
+            texts = [f"{v:.2f}x  {report['modes'][m]['tokens_per_s']:.1f} tok/s" for v, m in zip(values, modes)]
+            ax.axvline(1.0, color="gray", linewidth=0.8)
+        else:
+            values = [report["modes"][m].get(key) or 0.0 for m in modes]
+            texts = [f"{v:.2f}" for v in values]
+        bars = ax.barh(modes, values, color=colors)
+        ax.bar_label(bars, labels=texts, padding=3, fontsize=8)
+        ax.set_xlim(0, max(values) * 1.45)
+        ax.set_xlabel(label)
+    axes[0][0].invert_yaxis()  # the first mode on top (the axes share y: once is enough)
+    m = report["machine"]
+    kernels = f" ({m['kernels']} kernels)" if m.get("kernels") else ""
+    fig.suptitle(f"{m.get('cpu', '?')}{kernels}, {m['cores']} cores, {report['threads']} threads, "
+                 f"{report['max_new_tokens']} new tokens, greedy, {m.get('date', '')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import onnxruntime as ort
 
 from .bundle import Bundle
 from .drafters import Calibration, Drafter
@@ -26,7 +27,10 @@ from .speculative import Draft
 
 
 class Eagle3Session:
-    """The head's graph with its KV cache kept in numpy memory and updated in place."""
+    """The head's graph behind IOBinding: inputs and outputs live in numpy buffers allocated once
+    (grown when a call needs more rows), bound once per (target rows, own rows) shape, and its KV
+    cache is updated in place. A draft makes a call per depth, so per-call binding would cost as
+    much as the head's own work."""
 
     def __init__(self, bundle: Bundle, threads: int | None = None, cores: list[int] | None = None):
         info = bundle.manifest["eagle3"]
@@ -36,29 +40,65 @@ class Eagle3Session:
         self.tap_columns = bundle.tap_columns(info["taps"])
         shape = (1, info["kv"]["kv_heads"], self.capacity, info["kv"]["head_dim"])
         self.key, self.value = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        self._caches = [ort.OrtValue.ortvalue_from_numpy(c) for c in (self.key, self.value)]
         self.features_width = len(self.tap_columns)
+        self.top_k = {o.name: o for o in self.session.get_outputs()}["top_logprobs"].shape[-1]
+        self._past = np.zeros((), np.int64)
+        self._grow(64)
+
+    def _grow(self, rows: int) -> None:
+        """Row buffers for calls of up to `rows` rows; the bindings made on the old ones go."""
+        self.rows = rows
+        self._features = np.zeros((1, rows, self.features_width), np.float32)
+        self._states = np.zeros((1, rows, self.hidden), np.float32)
+        self._tokens = np.zeros((1, rows), np.int64)
+        self._positions = np.zeros((1, rows), np.int64)
+        self._masks: dict[int, np.ndarray] = {}
+        self._top_logprobs = np.zeros((1, rows, self.top_k), np.float32)
+        self._top_ids = np.zeros((1, rows, self.top_k), np.int64)
+        self._out = np.zeros((1, rows, self.hidden), np.float32)
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}
+
+    def _binding(self, n: int, m: int) -> ort.IOBinding:
+        """The binding for calls of N target rows then M own rows, made once per shape."""
+        binding = self._bindings.get((n, m))
+        if binding is None:
+            r = n + m
+            value = ort.OrtValue.ortvalue_from_numpy
+            binding = self.session.io_binding()
+            binding.bind_ortvalue_input("features", value(self._features[:, :n]))
+            binding.bind_ortvalue_input("states", value(self._states[:, :m]))
+            binding.bind_ortvalue_input("token_ids", value(self._tokens[:, :r]))
+            binding.bind_ortvalue_input("position_ids", value(self._positions[:, :r]))
+            binding.bind_ortvalue_input("attention_mask", value(self._masks.setdefault(r, np.zeros((r, r), np.bool_))))
+            binding.bind_ortvalue_input("past_len", value(self._past))
+            for name, cache in zip(("key", "value"), self._caches):
+                binding.bind_ortvalue_input(f"past_{name}_0", cache)
+                binding.bind_ortvalue_output(f"present_{name}_0", cache)  # new rows written in place
+            binding.bind_ortvalue_output("top_logprobs", value(self._top_logprobs[:, :r]))
+            binding.bind_ortvalue_output("top_ids", value(self._top_ids[:, :r]))
+            binding.bind_ortvalue_output("hidden", value(self._out[:, :r]))
+            self._bindings[n, m] = binding
+        return binding
 
     def run(self, features: np.ndarray, states: np.ndarray, tokens, positions, mask: np.ndarray, past: int):
         """Rows (target features first, then own states) written at past..: per row the top
         log-probs and target ids [R, K], and the output states [R, H]."""
-        if past + len(tokens) > self.capacity:
-            raise RuntimeError(f"EAGLE-3 head cache full: {past} + {len(tokens)} rows > {self.capacity}")
-        feeds = {"features": np.asarray(features, np.float32).reshape(1, -1, self.features_width),
-                 "states": np.asarray(states, np.float32).reshape(1, -1, self.hidden),
-                 "token_ids": np.asarray([tokens], np.int64), "position_ids": np.asarray([positions], np.int64),
-                 "attention_mask": np.ascontiguousarray(mask, np.bool_), "past_len": np.asarray(past, np.int64),
-                 "past_key_0": self.key, "past_value_0": self.value}
-        binding = self.session.io_binding()
-        for name, value in feeds.items():
-            binding.bind_cpu_input(name, value)
-        for name in ("top_logprobs", "top_ids", "hidden"):
-            binding.bind_output(name)
-        # the cache outputs alias the inputs' memory: the graph writes the new rows in place
-        binding.bind_output("present_key_0", "cpu", 0, np.float32, list(self.key.shape), self.key.ctypes.data)
-        binding.bind_output("present_value_0", "cpu", 0, np.float32, list(self.value.shape), self.value.ctypes.data)
+        n, m, r = len(features), len(states), len(tokens)
+        if past + r > self.capacity:
+            raise RuntimeError(f"EAGLE-3 head cache full: {past} + {r} rows > {self.capacity}")
+        if r > self.rows:
+            self._grow(max(r, 2 * self.rows))
+        binding = self._binding(n, m)
+        self._features[0, :n] = np.asarray(features, np.float32).reshape(n, self.features_width)
+        self._states[0, :m] = np.asarray(states, np.float32).reshape(m, self.hidden)
+        self._tokens[0, :r] = tokens
+        self._positions[0, :r] = positions
+        self._masks[r][...] = mask
+        self._past[...] = past
         run_pinned(self.session, binding, self.cores)
-        logprobs, ids, hidden = (v.numpy()[0] for v in binding.get_outputs()[:3])
-        return logprobs, ids, hidden
+        # copies: a tree draft keeps states of earlier calls
+        return self._top_logprobs[0, :r].copy(), self._top_ids[0, :r].copy(), self._out[0, :r].copy()
 
 
 class Eagle3Drafter(Drafter):

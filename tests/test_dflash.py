@@ -286,3 +286,24 @@ def test_a_drafter_reading_some_of_the_taps_matches_the_reference(qwen3_dflash, 
     result = Model(copy).generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, drafter="dflash",
                                   draft_len=BLOCK - 1)
     assert result.tokens == tokens
+
+
+def test_an_int4_drafter_runs_on_matmul_q4_and_stays_lossless(qwen3_dflash, tmp_path):
+    """`dflash-export drafter --dtype int4` (the CLI's default) runs the drafter's MatMuls on
+    MatMulQ4 when the bundle loads the op library; the output is still the target's own."""
+    import onnx
+
+    from dflash.export.cli import export_dflash
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(qwen3_dflash[0], bundle)
+    manifest = export_dflash(qwen3_dflash[2], bundle, "int4")
+    assert manifest["graphs"]["drafter"] == {"file": "drafter_int4.onnx", "dtype": "int4", "matmul": "q4"}
+    assert not (bundle / "drafter.onnx").exists()
+    ops = {n.op_type for n in onnx.load(bundle / "drafter_int4.onnx", load_external_data=False).graph.node}
+    assert "MatMulQ4" in ops
+    model = Model(bundle)
+    for ids in prompts():
+        plain = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True).tokens
+        for drafter in ("dflash", "dflash-tree"):
+            assert model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True, drafter=drafter).tokens == plain

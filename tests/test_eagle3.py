@@ -219,3 +219,41 @@ def test_eagle3_to_a_full_cache(eagle3_bundle):
     for drafter in ("eagle3", "eagle3-tree", "eagle3-hybrid"):
         got = model.generate(input_ids=ids, max_new_tokens=500, ignore_eos=True, drafter=drafter, draft_len=6)
         assert got.tokens == plain.tokens and got.finish_reason == plain.finish_reason, drafter
+
+
+@pytest.mark.parametrize("dtype, op", [("int8", "MatMulQ8"), ("int4", "MatMulQ4")])
+def test_a_quantized_head_drafts_like_the_fp32_one_and_stays_lossless(eagle3_bundle, tmp_path, dtype, op):
+    """`--dtype int8|int4` runs the head's MatMuls on the op library's kernels: its drafts are
+    mostly the fp32 head's, and the output is still the target's own."""
+    import json
+    import shutil
+
+    import onnx
+
+    from dflash.export.cli import export_eagle3
+    from dflash.runtime import Model
+
+    bundle = tmp_path / "bundle"
+    shutil.copytree(eagle3_bundle, bundle)
+    head = json.loads((bundle / "dflash.json").read_text())["eagle3"]["source"]
+    manifest = export_eagle3(head, bundle, dtype)
+    graph = manifest["graphs"]["eagle3"]
+    assert graph == {"file": f"eagle3_{dtype}.onnx", "dtype": dtype, "matmul": op.replace("MatMul", "").lower()}
+    assert not (bundle / "eagle3.onnx").exists()
+    ops = {n.op_type for n in onnx.load(bundle / graph["file"], load_external_data=False).graph.node}
+    assert op in ops and "MatMul" not in ops  # every weight MatMul quantized (attention runs in TreeAttention)
+
+    ids = list(range(4, 40, 3))
+    drafts = {}
+    for name, folder in (("fp32", eagle3_bundle), (dtype, bundle)):
+        model = Model(folder)
+        plain = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True).tokens
+        for drafter in ("eagle3", "eagle3-tree"):
+            assert model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True, drafter=drafter).tokens == plain
+        drafter = model.drafter("eagle3", 4)
+        drafts[name], propose = [], drafter.propose
+        drafter.propose = lambda history, room: drafts[name].append(propose(history, room)) or drafts[name][-1]
+        model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True, drafter="eagle3", draft_len=4)
+    first = [(a.tokens, b.tokens) for a, b in zip(drafts["fp32"], drafts[dtype])][:3]  # same histories
+    agree = np.mean([x == y for a, b in first for x, y in zip(a, b)])
+    assert agree >= 0.5, (drafts, agree)
