@@ -187,8 +187,22 @@ def test_label_cache_grows_when_data_is_appended(tmp_path):
     for i in range(5):
         for a, b in zip(whole.sequence(i), grown.sequence(i)):
             assert torch.equal(a, b)
-    other = LabelCache(tmp_path / "b", rows[1:], [1, 2], 64, d2t)  # not a prefix: rebuilt
-    assert other.done == 0
+    # More offline text ahead of the answers (a larger --text-tokens): the labelled sequences are
+    # kept wherever they now sit, only the new ones are labelled; a row left out costs nothing.
+    text = [{"id": f"text{i}", "prompt": [], "answer": list(range(30, 36 + i))} for i in range(2)]
+    more = text + rows[1:]
+    reference = LabelCache(tmp_path / "c", more, [1, 2], 64, d2t)
+    reference.build(model, more, echo=lambda m: None)
+    labelled = []
+    moved = LabelCache(tmp_path / "b", more, [1, 2], 64, d2t)
+    assert moved.done == 5
+    moved.build(model, more, echo=labelled.append)
+    assert len(labelled) == 1 and "7/7 sequences" in labelled[0]  # one progress line: the two new rows
+    for i in range(len(more)):
+        for a, b in zip(reference.sequence(i), moved.sequence(i)):
+            assert torch.equal(a, b)
+    changed = [dict(rows[0], answer=rows[0]["answer"] + [9])] + rows[1:]  # same id, other tokens
+    assert LabelCache(tmp_path / "b", changed, [1, 2], 64, d2t).done == 0
 
 
 def test_missing_data_is_a_clear_error(tmp_path):
