@@ -155,13 +155,12 @@ def test_label_cache_resumes_where_it_stopped(tmp_path):
     model = make_model("llama", len(make_tokenizer()), layers=4)
     rows = [{"id": f"r{i}", "prompt": [1, 5, 6], "answer": list(range(7, 7 + 5 + i))} for i in range(4)]
     whole = LabelCache(tmp_path / "a", rows, [1, 2], 64)
-    whole.build(model, rows, echo=lambda m: None)
-    part = LabelCache(tmp_path / "b", rows, [1, 2], 64)
-    part.build(model, rows[:2], echo=lambda m: None)
-    part._save(2)
+    whole.build(model, echo=lambda m: None)
+    part = LabelCache(tmp_path / "b", rows[:2], [1, 2], 64)  # a run that stopped after two rows
+    part.build(model, echo=lambda m: None)
     again = LabelCache(tmp_path / "b", rows, [1, 2], 64)
     assert again.done == 2
-    again.build(model, rows, echo=lambda m: None)
+    again.build(model, echo=lambda m: None)
     for i in range(4):
         for a, b in zip(whole.sequence(i), again.sequence(i)):
             assert torch.equal(a, b)
@@ -176,14 +175,14 @@ def test_label_cache_grows_when_data_is_appended(tmp_path):
     rows = [{"id": f"r{i}", "prompt": [1, 5, 6], "answer": list(range(7, 7 + 5 + i))} for i in range(5)]
     d2t = torch.arange(0, 200, 2)
     whole = LabelCache(tmp_path / "a", rows, [1, 2], 64, d2t)
-    whole.build(model, rows, echo=lambda m: None)
+    whole.build(model, echo=lambda m: None)
     first = LabelCache(tmp_path / "b", rows[:3], [1, 2], 64, d2t)
-    first.build(model, rows[:3], echo=lambda m: None)
+    first.build(model, echo=lambda m: None)
     assert torch.equal(LabelCache.vocabulary(tmp_path / "b", 100), d2t)
     assert LabelCache.vocabulary(tmp_path / "b", 50) is None  # another size: a new vocabulary
     grown = LabelCache(tmp_path / "b", rows, [1, 2], 64, d2t)
     assert grown.done == 3  # the first three rows are kept, only the new ones are labelled
-    grown.build(model, rows, echo=lambda m: None)
+    grown.build(model, echo=lambda m: None)
     for i in range(5):
         for a, b in zip(whole.sequence(i), grown.sequence(i)):
             assert torch.equal(a, b)
@@ -192,11 +191,11 @@ def test_label_cache_grows_when_data_is_appended(tmp_path):
     text = [{"id": f"text{i}", "prompt": [], "answer": list(range(30, 36 + i))} for i in range(2)]
     more = text + rows[1:]
     reference = LabelCache(tmp_path / "c", more, [1, 2], 64, d2t)
-    reference.build(model, more, echo=lambda m: None)
+    reference.build(model, echo=lambda m: None)
     labelled = []
     moved = LabelCache(tmp_path / "b", more, [1, 2], 64, d2t)
     assert moved.done == 5
-    moved.build(model, more, echo=labelled.append)
+    moved.build(model, echo=labelled.append)
     assert len(labelled) == 1 and "7/7 sequences" in labelled[0]  # one progress line: the two new rows
     for i in range(len(more)):
         for a, b in zip(reference.sequence(i), moved.sequence(i)):

@@ -130,7 +130,7 @@ class LabelCache:
                 return torch.from_numpy(d2t.astype(np.int64))
         return None
 
-    def build(self, model, rows, echo=print) -> None:
+    def build(self, model, echo=print) -> None:
         """Run the target over every sequence not labelled yet, in storage order (resumable)."""
         import torch
 
@@ -210,7 +210,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         d2t = LabelCache.vocabulary(cache_dir, draft_vocab)
         d2t = draft_vocabulary(rows, draft_vocab, tc.vocab_size) if d2t is None else d2t
     cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t)
-    cache.build(target, rows, echo)
+    cache.build(target, echo)
     held = max(1, len(rows) // 20)  # the newest 5% of sequences are held out for the acceptance estimate
     train_ids, held_ids = list(range(len(rows) - held)), list(range(len(rows) - held, len(rows)))
     config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id))
