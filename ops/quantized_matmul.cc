@@ -52,11 +52,42 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a,
     sum[blk] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
 }
+
+// The same again in 256-bit registers. The portable loop is no substitute on an AVX2 CPU: the
+// baseline ISA has no rounding instruction, so it calls nearbyintf once per activation, and at 8
+// rows that call was a third of an int4 verify's time on the AVX2 path.
+__attribute__((target("avx2,fma"))) void quantize_avx2(const float* a, int64_t blocks, int8_t* q, float* scale,
+                                                       int32_t* sum) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  const __m256i byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the per-lane packs
+  for (int64_t blk = 0; blk < blocks; ++blk, a += kQBlock, q += kQBlock) {
+    __m256 x[4], m = _mm256_setzero_ps();
+    for (int i = 0; i < 4; ++i) {
+      x[i] = _mm256_loadu_ps(a + 8 * i);
+      m = _mm256_max_ps(m, _mm256_andnot_ps(sign, x[i]));
+    }
+    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+    const float amax = _mm_cvtss_f32(_mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1)));
+    const __m256 inv = _mm256_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+    __m256i v[4];
+    for (int i = 0; i < 4; ++i) v[i] = _mm256_cvtps_epi32(_mm256_mul_ps(x[i], inv));
+    const __m256i bytes = _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3]));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q), _mm256_permutevar8x32_epi32(bytes, byte_order));
+    const __m256i s8 = _mm256_add_epi32(_mm256_add_epi32(v[0], v[1]), _mm256_add_epi32(v[2], v[3]));
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    scale[blk] = amax / 127.0f;
+    sum[blk] = _mm_cvtsi128_si32(s4);
+  }
+}
 #endif
 
 QuantizeFn quantize_for(KernelPath path) {
 #ifdef DFLASH_QMM_X86
   if (path == KernelPath::avx512) return quantize_avx512;
+  if (path == KernelPath::avx2) return quantize_avx2;
 #endif
   (void)path;
   return quantize_portable;
