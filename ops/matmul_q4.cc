@@ -45,7 +45,7 @@ void tile_portable(const Job& job, int64_t t) {
       const int8_t* q = qa.q.data() + m * K + b * kBlock;
       const float sa = qa.scale[m * KB + b];
       for (int64_t c = 0; c < kTile; ++c) {
-        int32_t dot = -kZero * qa.sum[m * KB + b];
+        int32_t dot = qa.offset[m * KB + b];
         for (int64_t k = 0; k < kBlock; ++k) dot += q[k] * nibble(tb, k, c);
         const float s = sa * sb[c];
         acc[c] = std::fma(static_cast<float>(dot), s, acc[c]);
@@ -66,7 +66,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(con
   const int64_t K = job.K, KB = K / kBlock;
   const int8_t* q = job.rows->q.data() + m0 * K;
   const float* sa = job.rows->scale.data() + m0 * KB;
-  const int32_t* qsum = job.rows->sum.data() + m0 * KB;
+  const int32_t* offset = job.rows->offset.data() + m0 * KB;
   // One dot chain per row is eight dependent VNNI steps; with few rows, two chains per row keep
   // enough independent work in flight to hide their latency (integer sums: the order is free).
   constexpr int kChains = R < 4 ? 2 : 1;
@@ -78,7 +78,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(con
     if (job.M > 1) prefetch_ahead(job, t, b);  // past the end of the weights is harmless: prefetches never fault
     __m512i dot[R][kChains];  // the low-nibble and high-nibble halves of a row's dot
     for (int r = 0; r < R; ++r) {
-      dot[r][0] = _mm512_set1_epi32(-kZero * qsum[r * KB + b]);
+      dot[r][0] = _mm512_set1_epi32(offset[r * KB + b]);  // a broadcast load: no vector ALU work
       if (kChains == 2) dot[r][1] = _mm512_setzero_si512();
     }
     for (int c4 = 0; c4 < 4; ++c4) {
@@ -127,7 +127,7 @@ __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t 
   const int64_t K = job.K, KB = K / kBlock;
   const int8_t* q = job.rows->q.data() + m0 * K;
   const float* sa = job.rows->scale.data() + m0 * KB;
-  const int32_t* qsum = job.rows->sum.data() + m0 * KB;
+  const int32_t* offset = job.rows->offset.data() + m0 * KB;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   alignas(32) float acc[R][16] = {};
   for (int64_t b = 0; b < KB; ++b) {
@@ -153,7 +153,7 @@ __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t 
     }
     const float* sbp = job.tile_scales(t, b);
     for (int r = 0; r < R; ++r) {
-      const __m256i zero_point = _mm256_set1_epi32(-kZero * qsum[r * KB + b]);
+      const __m256i zero_point = _mm256_set1_epi32(offset[r * KB + b]);
       const __m256 sar = _mm256_set1_ps(sa[r * KB + b]);
       for (int h = 0; h < 2; ++h) {
         const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs[r][h], ones), zero_point);
@@ -176,9 +176,9 @@ void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t
 }  // namespace
 
 #ifdef DFLASH_QMM_X86
-const QuantizedFormat q4_format{"MatMulQ4", kTileBytes, tile_portable, tile_avx2, tile_avx512};
+const QuantizedFormat q4_format{"MatMulQ4", kTileBytes, kZero, tile_portable, tile_avx2, tile_avx512};
 #else
-const QuantizedFormat q4_format{"MatMulQ4", kTileBytes, tile_portable, nullptr, nullptr};
+const QuantizedFormat q4_format{"MatMulQ4", kTileBytes, kZero, tile_portable, nullptr, nullptr};
 #endif
 
 }  // namespace dflash

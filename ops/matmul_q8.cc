@@ -39,7 +39,7 @@ void tile_portable(const Job& job, int64_t t) {
       const int8_t* q = qa.q.data() + m * K + b * kBlock;
       const float sa = qa.scale[m * KB + b];
       for (int64_t c = 0; c < kTile; ++c) {
-        int32_t dot = -kZero * qa.sum[m * KB + b];
+        int32_t dot = qa.offset[m * KB + b];
         for (int64_t k = 0; k < kBlock; ++k) dot += q[k] * tb[64 * (k / 4) + 4 * c + k % 4];
         acc[c] = std::fma(static_cast<float>(dot), sa * sb[c], acc[c]);
       }
@@ -57,13 +57,13 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const Jo
   const int64_t K = job.K, KB = K / kBlock;
   const int8_t* q = job.rows->q.data() + m0 * K;
   const float* sa = job.rows->scale.data() + m0 * KB;
-  const int32_t* qsum = job.rows->sum.data() + m0 * KB;
+  const int32_t* offset = job.rows->offset.data() + m0 * KB;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* tb = job.tile_block(t, b);
     __m512i dot[R];
-    for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(-kZero * qsum[r * KB + b]);
+    for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(offset[r * KB + b]);
     for (int g = 0; g < 8; ++g) {
       const __m512i u = _mm512_loadu_si512(tb + 64 * g);
       for (int r = 0; r < R; ++r)
@@ -96,7 +96,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& job, int64_t t, in
   const int64_t K = job.K, KB = K / kBlock;
   const int8_t* q = job.rows->q.data() + m0 * K;
   const float* sa = job.rows->scale.data() + m0 * KB;
-  const int32_t* qsum = job.rows->sum.data() + m0 * KB;
+  const int32_t* offset = job.rows->offset.data() + m0 * KB;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
   for (int half = 0; half < 2; ++half) {
     __m256 acc[R];
@@ -122,7 +122,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& job, int64_t t, in
         // 16 * hi + lo, widened to int32 pairwise (madd), plus the -128 * sum(q) offset
         const __m256i dot = _mm256_add_epi32(
             _mm256_add_epi32(_mm256_madd_epi16(hi_sum[r], sixteens), _mm256_madd_epi16(lo_sum[r], ones)),
-            _mm256_set1_epi32(-kZero * qsum[r * KB + b]));
+            _mm256_set1_epi32(offset[r * KB + b]));
         const __m256 s = _mm256_mul_ps(_mm256_set1_ps(sa[r * KB + b]), sb);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r]);
       }
@@ -144,9 +144,9 @@ void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t
 }  // namespace
 
 #ifdef DFLASH_QMM_X86
-const QuantizedFormat q8_format{"MatMulQ8", kTileBytes, tile_portable, tile_avx2, tile_avx512};
+const QuantizedFormat q8_format{"MatMulQ8", kTileBytes, kZero, tile_portable, tile_avx2, tile_avx512};
 #else
-const QuantizedFormat q8_format{"MatMulQ8", kTileBytes, tile_portable, nullptr, nullptr};
+const QuantizedFormat q8_format{"MatMulQ8", kTileBytes, kZero, tile_portable, nullptr, nullptr};
 #endif
 
 }  // namespace dflash

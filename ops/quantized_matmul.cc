@@ -17,10 +17,11 @@
 namespace dflash {
 namespace {
 
-using QuantizeFn = void (*)(const float* a, int64_t blocks, int8_t* q, float* scale, int32_t* sum);
+using QuantizeFn = void (*)(const float* a, int64_t blocks, int32_t zero, int8_t* q, float* scale, int32_t* offset);
 
-// Quantize `blocks` consecutive blocks of 32 activations (see quantized_matmul.h).
-void quantize_portable(const float* a, int64_t blocks, int8_t* q, float* scale, int32_t* sum) {
+// Quantize `blocks` consecutive blocks of 32 activations, with each block's zero-point term for
+// weights stored with zero point `zero` (see quantized_matmul.h).
+void quantize_portable(const float* a, int64_t blocks, int32_t zero, int8_t* q, float* scale, int32_t* offset) {
   for (int64_t blk = 0; blk < blocks; ++blk, a += kQBlock, q += kQBlock) {
     float amax = 0.0f;
     for (int64_t k = 0; k < kQBlock; ++k) amax = std::max(amax, std::fabs(a[k]));
@@ -32,15 +33,15 @@ void quantize_portable(const float* a, int64_t blocks, int8_t* q, float* scale, 
       s += q[k];
     }
     scale[blk] = amax / 127.0f;
-    sum[blk] = s;
+    offset[blk] = -zero * s;
   }
 }
 
 #ifdef DFLASH_QMM_X86
 // The same arithmetic as quantize_portable: max and products are exact or singly rounded alike,
 // and the conversion rounds to nearest even (the default MXCSR mode); |a * inv| <= 127 needs no clamp.
-__attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a, int64_t blocks, int8_t* q,
-                                                                 float* scale, int32_t* sum) {
+__attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a, int64_t blocks, int32_t zero,
+                                                                 int8_t* q, float* scale, int32_t* offset) {
   for (int64_t blk = 0; blk < blocks; ++blk, a += kQBlock, q += kQBlock) {
     const __m512 x0 = _mm512_loadu_ps(a), x1 = _mm512_loadu_ps(a + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
@@ -49,15 +50,15 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a,
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
     scale[blk] = amax / 127.0f;
-    sum[blk] = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    offset[blk] = -zero * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
   }
 }
 
 // The same again in 256-bit registers. The portable loop is no substitute on an AVX2 CPU: the
 // baseline ISA has no rounding instruction, so it calls nearbyintf once per activation, and at 8
 // rows that call was a third of an int4 verify's time on the AVX2 path.
-__attribute__((target("avx2,fma"))) void quantize_avx2(const float* a, int64_t blocks, int8_t* q, float* scale,
-                                                       int32_t* sum) {
+__attribute__((target("avx2,fma"))) void quantize_avx2(const float* a, int64_t blocks, int32_t zero, int8_t* q,
+                                                       float* scale, int32_t* offset) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the per-lane packs
   for (int64_t blk = 0; blk < blocks; ++blk, a += kQBlock, q += kQBlock) {
@@ -79,7 +80,7 @@ __attribute__((target("avx2,fma"))) void quantize_avx2(const float* a, int64_t b
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
     scale[blk] = amax / 127.0f;
-    sum[blk] = _mm_cvtsi128_si32(s4);
+    offset[blk] = -zero * _mm_cvtsi128_si32(s4);
   }
 }
 #endif
@@ -131,8 +132,8 @@ struct QuantizedMatMulKernel {
     const int64_t blocks = M * KB;           // rows are KB blocks wide, so all blocks are contiguous
     rows.q.resize(static_cast<size_t>(M * K));
     rows.scale.resize(static_cast<size_t>(blocks));
-    rows.sum.resize(static_cast<size_t>(blocks));
-    quantize(a.GetTensorData<float>(), blocks, rows.q.data(), rows.scale.data(), rows.sum.data());
+    rows.offset.resize(static_cast<size_t>(blocks));
+    quantize(a.GetTensorData<float>(), blocks, format->zero_point, rows.q.data(), rows.scale.data(), rows.offset.data());
     const Job job{&rows, weight.GetTensorData<uint8_t>(), scales.GetTensorData<float>(), y, M, K, N,
                   format->tile_bytes};
     parallel_for(context, T, [&](int64_t t) { tile(job, t); }, "a tile failed");

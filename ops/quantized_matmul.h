@@ -43,7 +43,8 @@ constexpr int64_t kQTile = 16;   // columns per tile
 struct QuantizedRows {
   std::vector<int8_t> q;      // [M][K]
   std::vector<float> scale;   // [M][K/32]  sa
-  std::vector<int32_t> sum;   // [M][K/32]  the sum of the block's q (for the weights' zero point)
+  std::vector<int32_t> offset;  // [M][K/32]  -z * (the sum of the block's q), z the weights' zero point:
+                                // the dot's zero-point term, read straight from memory by the kernels
 };
 
 // One call's work. A work item is one tile (16 columns) for every row, so how the columns are
@@ -111,6 +112,7 @@ __attribute__((target("avx2"))) inline void keep_in_register(__m256i& v) { asm("
 struct QuantizedFormat {
   const char* name;
   int64_t tile_bytes;
+  int32_t zero_point;  // stored weight = w + zero_point
   TileFn portable, avx2, avx512;
 
   TileFn tile_for(KernelPath path) const {
