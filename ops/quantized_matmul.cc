@@ -1,5 +1,5 @@
-// The quantized MatMul ops' shared part (quantized_matmul.h): activation quantization (portable
-// and AVX-512, the same bits), the kernel path choice, and the op around an op's tile functions.
+// The quantized MatMul ops' shared part (quantized_matmul.h): activation quantization (portable,
+// AVX2 and AVX-512, the same bits), the kernel path choice, and the op around an op's tile functions.
 
 #include "quantized_matmul.h"
 
