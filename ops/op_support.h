@@ -55,8 +55,10 @@ OrtStatusPtr guarded(const char* name, F&& compute) {
 
 // fn(i) for i in 0..n-1 on ORT's intra-op pool. An exception on a pool thread would terminate the
 // process, so it is caught there and reported here as std::runtime_error(on_failure).
+// batches = 0: the pool's threads take one i at a time (each take is an atomic add on a shared
+// counter); batches > 0: the range is cut into that many contiguous runs of i, taken one at a time.
 template <typename F>
-void parallel_for(OrtKernelContext* ctx, int64_t n, const F& fn, const char* on_failure) {
+void parallel_for(OrtKernelContext* ctx, int64_t n, const F& fn, const char* on_failure, int64_t batches = 0) {
   if (n <= 0) return;
   struct Job {
     const F* fn;
@@ -70,7 +72,8 @@ void parallel_for(OrtKernelContext* ctx, int64_t n, const F& fn, const char* on_
       j->failed = true;
     }
   };
-  Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(ctx, thunk, static_cast<size_t>(n), 0, &job));
+  Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(ctx, thunk, static_cast<size_t>(n),
+                                                                static_cast<size_t>(batches), &job));
   if (job.failed) throw std::runtime_error(on_failure);
 }
 

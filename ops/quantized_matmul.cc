@@ -3,6 +3,7 @@
 
 #include "quantized_matmul.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <memory>
@@ -16,6 +17,9 @@
 
 namespace dflash {
 namespace {
+
+// Runs of tiles a MatMul call is cut into for the pool: enough for a few threads to balance.
+constexpr int64_t kTileBatches = 16;
 
 using QuantizeFn = void (*)(const float* a, int64_t blocks, int32_t zero, int8_t* q, float* scale, int32_t* offset);
 
@@ -136,7 +140,9 @@ struct QuantizedMatMulKernel {
     quantize(a.GetTensorData<float>(), blocks, format->zero_point, rows.q.data(), rows.scale.data(), rows.offset.data());
     const Job job{&rows, weight.GetTensorData<uint8_t>(), scales.GetTensorData<float>(), y, M, K, N,
                   format->tile_bytes};
-    parallel_for(context, T, [&](int64_t t) { tile(job, t); }, "a tile failed");
+    // Tiles in kTileBatches runs: taking thousands of tiles one by one (the lm_head has 3072)
+    // costs an atomic add on a counter both cores write, per tile.
+    parallel_for(context, T, [&](int64_t t) { tile(job, t); }, "a tile failed", std::min<int64_t>(T, kTileBatches));
   }
 };
 
