@@ -130,32 +130,32 @@ struct Plan {
 // The chunk boundaries depend on nothing but the key positions, and a query vector's arithmetic
 // on nothing but its own lane, so a row's output is bit for bit the same whatever the number of
 // rows verified with it and the thread count: speculative decoding relies on that to be lossless.
-// Group sizes are kept to whole SIMD widths of vectors where possible (rows * G a multiple of 16),
-// since the kernels work on 16 lanes at a time and padding lanes are wasted work.
+// Every group's vectors are padded to whole SIMD widths (16 lanes), and padding lanes are wasted
+// work, so a split of the rows is only taken when it pads no more lanes in all.
 void make_plan(Plan& p) {
   constexpr int64_t kVecTarget = 64;   // query vectors per item
   constexpr int64_t kItemTarget = 16;  // enough items to balance a few threads
   constexpr int64_t kChunk = 4 * kKeyBlock;  // key rows per chunk
   const int64_t S = p.S, G = p.G;
-  const int64_t lane_rows = 16 / std::gcd<int64_t>(16, G);  // rows whose G heads fill whole vectors
-  auto align_rows = [&](int64_t r) {  // round r up to whole vectors, at most S
-    return std::min(S, std::max<int64_t>(1, round_up(r, lane_rows)));
+  auto padded = [&](int64_t rows) {  // lanes of all groups of `rows` rows (the last one shorter)
+    return S / rows * round_up(rows * G, 16) + (S % rows ? round_up(S % rows * G, 16) : 0);
+  };
+  // The smallest group size in [lo, hi] that pads no more lanes than groups of hi rows.
+  auto settle = [&](int64_t lo, int64_t hi) {
+    for (int64_t r = std::max<int64_t>(1, lo); r < hi; ++r)
+      if (padded(r) <= padded(hi)) return r;
+    return hi;
   };
   const int64_t nc = std::max<int64_t>(1, ceil_div(p.T, kChunk));
+  const int64_t lane_rows = 16 / std::gcd<int64_t>(16, G);  // rows whose G heads fill whole vectors
   int64_t rows = std::max<int64_t>(1, kVecTarget / G);
   if (rows >= lane_rows) rows = rows / lane_rows * lane_rows;
   rows = std::min(S, rows);
-  int64_t nq = ceil_div(S, rows);
-  if (p.Hkv * nq * nc < kItemTarget) {
-    // Few items: split the query rows further, down to one SIMD width of vectors per item.
-    const int64_t want_nq = ceil_div(kItemTarget, p.Hkv * nc);
-    rows = std::min(rows, align_rows(ceil_div(S, want_nq)));
-  }
-  nq = ceil_div(S, rows);
-  rows = align_rows(ceil_div(S, nq));  // even out the groups
-  nq = ceil_div(S, rows);
+  rows = settle(ceil_div(S, ceil_div(S, rows)), rows);  // even out the groups
+  if (p.Hkv * ceil_div(S, rows) * nc < kItemTarget)     // few items: split the rows further
+    rows = settle(ceil_div(S, ceil_div(kItemTarget, p.Hkv * nc)), rows);
   p.rows_per_group = rows;
-  p.n_qgroups = nq;
+  p.n_qgroups = ceil_div(S, rows);
   p.n_chunks = nc;
   p.chunk_len = kChunk;
   p.vmax = rows * G;
