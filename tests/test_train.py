@@ -124,9 +124,26 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     from safetensors.torch import load_file
     saved, loaded = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("drafter", "warm"))
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
-    with pytest.raises(ValueError, match="another shape"):
+    # a deeper drafter grown from it: the new layer starts as the identity, so the same logits
+    train(source, manifest, [tmp_path / "data"], tmp_path / "deeper", tmp_path / "cache", max_steps=0,
+          init_from=tmp_path / "drafter", **{**options, "layers": 2})
+    from dflash.export.dflash import DFlashDrafter
+    from dflash.train.objective import block_logits
+
+    shallow, deep = (DFlashDrafter.load(tmp_path / d) for d in ("drafter", "deeper"))
+    assert deep.config.layers == 2 and not deep.layers[1].mlp.down_proj.weight.any()
+    c, generator = shallow.config, torch.Generator().manual_seed(0)
+    features = torch.randn(12, len(c.target_layer_ids) * c.hidden_size, generator=generator)
+    tokens, embed = torch.arange(12) % 100, torch.randn(c.vocab_size, c.hidden_size, generator=generator)
+    lm_head = torch.randn(c.hidden_size, 120, generator=generator)
+    cos, sin = c.rotary_tables(32)
+    logits = [block_logits(d, features, tokens, [2, 5], embed, lm_head, cos, sin) for d in (shallow, deep)]
+    assert torch.allclose(logits[0], logits[1], atol=1e-5)
+    assert not torch.allclose(logits[0], block_logits(DFlashDrafter(deep.config), features, tokens, [2, 5], embed,
+                                                     lm_head, cos, sin), atol=1e-3)  # the check can fail
+    with pytest.raises(ValueError, match="another shape"):  # fewer layers than the source cannot be grown
         train(source, manifest, [tmp_path / "data"], tmp_path / "other", tmp_path / "cache", max_steps=1,
-              init_from=tmp_path / "drafter", **{**options, "layers": 2})
+              init_from=tmp_path / "deeper", **options)
 
     from dflash.export.cli import export_eagle3
     from dflash.train import eagle3

@@ -78,7 +78,8 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed):
 @click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
 @click.option("--init", "init_from", type=click.Path(exists=True, file_okay=False),
               help="start from this drafter's weights (e.g. export/default_drafter or export/default_eagle3) "
-                   "with a fresh optimizer")
+                   "with a fresh optimizer; a DFlash drafter with more --layers grows from one with fewer "
+                   "(its new layers start as the identity)")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
         mask_token_id, text_tokens, threads, seed, resume, init_from):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT

@@ -187,7 +187,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
           text_tokens=0, init_from=None, echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
-    `init_from`: a drafter folder of the same shape to start from (a warm start, fresh optimizer)."""
+    `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start)."""
     import torch
 
     from dflash.export.dflash import DFlashConfig, DFlashDrafter
@@ -266,17 +266,31 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
 
 
 def warm_start(drafter, folder, echo) -> None:
-    """Copy the weights of the drafter in `folder` (its config must have the same shape)."""
+    """Copy the weights of the drafter in `folder`: the same shape, or fewer layers (a deeper
+    drafter grown from it: the layers it lacks start as the identity, their output projections
+    zero, so training starts from exactly the drafts of the one in `folder`)."""
+    import torch
+
     from dflash.export.dflash import DFlashDrafter
 
     source = DFlashDrafter.load(folder)
-    keys = ("hidden_size", "layers", "block_size", "intermediate_size", "target_layer_ids")
+    keys = ("hidden_size", "block_size", "intermediate_size", "target_layer_ids")
     differ = [k for k in keys if getattr(drafter.config, k) != getattr(source.config, k)]
+    if source.config.layers > drafter.config.layers:
+        differ.append("layers")
     if differ:
-        raise ValueError(f"--init {folder} has another shape ({', '.join(differ)} differ): "
-                         "give the same --layers and --block, or drop --init")
-    drafter.load_state_dict(source.state_dict())
-    echo(f"started from the weights in {folder}")
+        raise ValueError(f"--init {folder} has another shape ({', '.join(differ)} differ): give the same "
+                         "--block (and --layers at least its layers), or drop --init")
+    missing, _ = drafter.load_state_dict(source.state_dict(), strict=False)
+    assert all(k.startswith("layers.") for k in missing), missing
+    with torch.no_grad():
+        for layer in drafter.layers[source.config.layers:]:
+            for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
+                projection.weight.zero_()
+                if projection.bias is not None:
+                    projection.bias.zero_()
+    grown = drafter.config.layers - source.config.layers
+    echo(f"started from the weights in {folder}" + (f", {grown} more layer(s) as the identity" if grown else ""))
 
 
 def learning_rate(peak: float, state: dict, budget: float) -> float:
