@@ -25,3 +25,16 @@ def quantized_matmul_model(op: str, K: int, N: int, packed: np.ndarray, scales: 
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
         [numpy_helper.from_array(packed, "weight"), numpy_helper.from_array(scales, "scales")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.dflash", 1)])
+
+
+def skip_rms_norm_model(epsilon: float = 1e-5, gamma: np.ndarray | None = None):
+    """One-node SkipRMSNorm model: inputs "input", "skip" and "gamma" (untyped shapes, so that bad
+    ones reach the op; `gamma` given: an initializer instead), outputs "output" and "sum"."""
+    node = helper.make_node("SkipRMSNorm", ["input", "skip", "gamma"], ["output", "sum"], domain="ai.dflash",
+                            epsilon=float(epsilon))
+    names = ["input", "skip"] + ([] if gamma is not None else ["gamma"])
+    graph = helper.make_graph(
+        [node], "skip_rms_norm", [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in names],
+        [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("output", "sum")],
+        [] if gamma is None else [numpy_helper.from_array(gamma.astype(np.float32), "gamma")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.dflash", 1)])

@@ -77,4 +77,7 @@ void parallel_for(OrtKernelContext* ctx, int64_t n, const F& fn, const char* on_
   if (job.failed) throw std::runtime_error(on_failure);
 }
 
+// The ops defined outside tree_attention.cc (which registers them all).
+const OrtCustomOp* skip_rms_norm_op();  // skip_rms_norm.cc
+
 }  // namespace dflash

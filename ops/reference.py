@@ -236,3 +236,10 @@ def matmul_q8(a, weight, scales, N):
     u = u.reshape(KB, Q4_BLOCK, T * Q4_TILE)
     dots = np.einsum("mbk,bkn->mbn", q, u) - 128 * q.sum(axis=2)[:, :, None]      # exact ints
     return accumulate_blocks(dots, sa, scales)[:, :N].reshape(*a.shape[:-1], N)
+
+
+def skip_rms_norm(x, skip, gamma, epsilon):
+    """SkipRMSNorm in float64: (output, sum) with sum = x + skip."""
+    total = x.astype(np.float64) + skip
+    inv = 1.0 / np.sqrt(np.mean(total * total, axis=-1, keepdims=True) + epsilon)
+    return (total * inv * gamma).astype(np.float32), (x + skip).astype(np.float32)

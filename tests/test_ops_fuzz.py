@@ -2,7 +2,7 @@
 paths must match the numpy reference, and a row must give the same bits as its query decoded
 alone; wrong inputs must raise a clean onnxruntime error. Every
 fourth case also runs MatMulQ4 or MatMulQ8 (in turn) at a random size against its bit-exact
-reference.
+reference, and another fourth SkipRMSNorm against its float64 reference.
 
 The cases run in a child process, so a crash is a test failure with the last case named, not a
 dead pytest. `make test` also runs them against the AddressSanitizer/UBSan build of the library
@@ -260,6 +260,36 @@ def check_quantized_matmul(rng, threads: int, bits: int) -> str | None:
     return None
 
 
+def check_skip_rms_norm(rng, threads: int) -> str | None:
+    """SkipRMSNorm at a random size (0..300 rows: both the inline and the thread-pool call) against
+    its reference, and a random slice of the rows alone against the same rows of the full call."""
+    import onnxruntime as ort
+
+    import dflash.ops
+    from dflash.ops import models, reference
+
+    M, H = int(rng.integers(0, 301)), int(rng.integers(1, 1200))
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.enable_cpu_mem_arena = False
+    dflash.ops.register(so)
+    gamma = rng.standard_normal(H).astype(np.float32)
+    sess = ort.InferenceSession(models.skip_rms_norm_model(1e-5, gamma).SerializeToString(), so,
+                                providers=["CPUExecutionProvider"])
+    x, skip = (rng.standard_normal((M, H)).astype(np.float32) for _ in range(2))
+    where = f"SkipRMSNorm M={M} H={H}"
+    out, total = sess.run(None, {"input": x, "skip": skip})
+    want_out, want_total = reference.skip_rms_norm(x, skip, gamma, 1e-5)
+    if not (np.array_equal(total, want_total) and np.allclose(out, want_out, rtol=1e-5, atol=1e-5)):
+        return f"{where}: differs from the reference"
+    start = int(rng.integers(0, M + 1))
+    stop = int(rng.integers(start, M + 1))
+    alone = sess.run(None, {"input": x[start:stop], "skip": skip[start:stop]})
+    if not (np.array_equal(alone[0], out[start:stop]) and np.array_equal(alone[1], total[start:stop])):
+        return f"{where}: rows {start}:{stop} alone differ from the same rows of the full call"
+    return None
+
+
 def run_case(i: int, seed: int) -> str | None:
     """Case i: two in three are valid cases, every third a wrong input; returns a failure or None."""
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
@@ -272,6 +302,8 @@ def run_case(i: int, seed: int) -> str | None:
         problem = check_valid(session_for(c), c)
         if problem is None and i % 4 == 1:
             problem = check_quantized_matmul(rng, c["threads"], bits=4 if i % 8 == 1 else 8)
+        if problem is None and i % 4 == 3:
+            problem = check_skip_rms_norm(rng, c["threads"])
         return problem
     what = list(MUTATIONS)[i // 3 % len(MUTATIONS)]  # each in turn
     graph, feeds = mutate(c, what, rng)
