@@ -9,6 +9,8 @@ instead of dozens (node dispatch, not arithmetic, dominates a one-token step):
   with ``custom`` attention (ORT's ``com.microsoft.SkipSimplifiedLayerNormalization`` hands even
   a few rows to its thread pool, ~0.5 ms an 8-row int4 verify), else that ORT op;
 - ``dflash::rotary``    -> ``com.microsoft.RotaryEmbedding`` over cos/sin tables;
+- ``dflash::swiglu`` (silu(gate) * up of a fused gate|up projection) -> ``ai.dflash.SwiGLU``, only
+  emitted with ``custom`` (elsewhere the MLP stays Split + Sigmoid + Mul);
 - ``dflash::cached_attention`` -> ``com.microsoft.GroupQueryAttention`` (``gqa``) or
   this project's ``ai.dflash.TreeAttention`` (``custom``).  Contract for both: query
   ``[1,S,H*D]``, key/value ``[1,S,Hkv*D]`` with rotary applied; caches ``[1,Hkv,C,D]``;
@@ -60,6 +62,18 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, 
 @add_rms_norm.register_fake
 def _(x, residual, weight, eps):
     return torch.empty_like(x), torch.empty_like(x)
+
+
+@torch.library.custom_op("dflash::swiglu", mutates_args=())
+def swiglu(x: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up for x = [gate | up] along the last dimension."""
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up
+
+
+@swiglu.register_fake
+def _(x):
+    return x.new_empty(*x.shape[:-1], x.shape[-1] // 2)
 
 
 @torch.library.custom_op("dflash::rotary", mutates_args=())
@@ -146,6 +160,7 @@ _schema("SkipSimplifiedLayerNormalization", MS_DOMAIN,
         [("T", ["tensor(float)"], ""), ("U", ["tensor(float)"], "")], [("epsilon", _FLOAT)])
 _schema("SkipRMSNorm", DFLASH_DOMAIN, [_F("input", "T"), _F("skip", "T"), _F("gamma", "T")],
         [_F("output", "T"), _F("sum", "T")], [("T", ["tensor(float)"], "")], [("epsilon", _FLOAT)])
+_schema("SwiGLU", DFLASH_DOMAIN, [_F("input", "T")], [_F("output", "T")], [("T", ["tensor(float)"], "")], [])
 _schema("RotaryEmbedding", MS_DOMAIN,
         [_F("input", "T"), _F("position_ids", "M"), _F("cos_cache", "T"), _F("sin_cache", "T")],
         [_F("output", "T")], [("T", ["tensor(float)"], ""), ("M", ["tensor(int64)"], "")],
@@ -190,6 +205,10 @@ def _add_rms_norm(x, residual, weight, eps: float):
 
 def _skip_rms_norm(x, residual, weight, eps: float):
     return _dflash.SkipRMSNorm(x, residual, weight, epsilon=eps)
+
+
+def _swiglu(x):
+    return _dflash.SwiGLU(x)
 
 
 def _rotary(x, position_ids, cos, sin, num_heads: int):
@@ -259,4 +278,5 @@ def translation_table(attention: str) -> dict:
             "gqa": _gqa, "custom": _tree_attention, "onnx": _onnx_attention}[attention],
         # only emitted with `custom` (see target.DecoderLayer)
         torch.ops.dflash.packed_attention.default: _packed_tree_attention,
+        torch.ops.dflash.swiglu.default: _swiglu,
     }

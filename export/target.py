@@ -60,6 +60,7 @@ class DecoderLayer(torch.nn.Module):
         # PackedTreeAttention: one node a layer instead of Split + 2 RotaryEmbedding + attention.
         # Not for q/k-normed models (Qwen3): the norms sit between the projection and the rotary.
         self.fused = fused_ops and self.q_norm is None and self.k_norm is None
+        self.fused_ops = fused_ops  # the SwiGLU op (silu only: checked where the layers are built)
 
     def _head_norm(self, norm, x, heads):
         if norm is None:
@@ -82,6 +83,8 @@ class DecoderLayer(torch.nn.Module):
                 q, k, v, io.key_caches[i], io.value_caches[i], io.past_len, io.mask,
                 self.scale, self.heads, self.kv_heads)
         x, hidden = ops.add_rms_norm(self.o_proj(attn), hidden, self.post_norm.weight, self.eps)
+        if self.fused_ops:
+            return ops.add_rms_norm(self.down(ops.swiglu(self.gate_up(x))), hidden, next_norm.weight, self.eps)
         gate, up = self.gate_up(x).chunk(2, dim=-1)
         return ops.add_rms_norm(self.down(self.act(gate) * up), hidden, next_norm.weight, self.eps)
 

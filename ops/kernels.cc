@@ -180,6 +180,29 @@ DFLASH_BODY void accumulate_generic(const float* p, int64_t Vp, int64_t V, int64
   }
 }
 
+// SwiGLU of one row: out[i] = silu(x[i]) * x[I + i]. silu(g) = g * sigmoid(g), and sigmoid is
+// taken from t = 2^(-|g| log2 e) <= 1 (the exponent exp2_generic needs): 1/(1+t) for g >= 0,
+// t/(1+t) below. Lanes are independent, so a row's values do not depend on its neighbours.
+template <class F>
+DFLASH_BODY void swiglu_generic(const float* x, int64_t I, float* out) {
+  constexpr int W = sizeof(F) / sizeof(float);
+  const F zero = splat<F>(0.0f), one = splat<F>(1.0f), minus_log2e = splat<F>(-1.4426950408889634f);
+  auto row = [&](const F& g, const F& u) {
+    const F t = exp2_generic((g < zero ? -g : g) * minus_log2e);
+    const F sigmoid = (g < zero ? t : one) / (one + t);
+    return g * sigmoid * u;
+  };
+  int64_t i = 0;
+  for (; i + W <= I; i += W) store(out + i, row(load<F>(x + i), load<F>(x + I + i)));
+  if (i < I) {  // the last I % W values through a zero-padded vector
+    float g[W] = {}, u[W] = {}, o[W];
+    std::memcpy(g, x + i, (I - i) * sizeof(float));
+    std::memcpy(u, x + I + i, (I - i) * sizeof(float));
+    store(o, row(load<F>(g), load<F>(u)));
+    std::memcpy(out + i, o, (I - i) * sizeof(float));
+  }
+}
+
 void scores_portable(const float* qT, int64_t Vp, int64_t D, const float* k, int64_t n, float* s) {
   scores_generic<vf4>(qT, Vp, D, k, n, s);
 }
@@ -191,6 +214,7 @@ void accumulate_portable(const float* p, int64_t Vp, int64_t V, int64_t n, const
   accumulate_generic<vf4>(p, Vp, V, n, v, D, acc, alpha);
 }
 const Kernels kPortable = {"portable", scores_portable, softmax_portable, accumulate_portable};
+void swiglu_portable(const float* x, int64_t I, float* out) { swiglu_generic<vf4>(x, I, out); }
 
 #ifdef DFLASH_HAVE_X86_DISPATCH
 #define DFLASH_AVX2 __attribute__((target("avx2,fma")))
@@ -205,6 +229,7 @@ DFLASH_AVX2 void accumulate_avx2(const float* p, int64_t Vp, int64_t V, int64_t 
   accumulate_generic<vf8>(p, Vp, V, n, v, D, acc, alpha);
 }
 const Kernels kAvx2 = {"avx2", scores_avx2, softmax_avx2, accumulate_avx2};
+DFLASH_AVX2 void swiglu_avx2(const float* x, int64_t I, float* out) { swiglu_generic<vf8>(x, I, out); }
 #endif
 
 // ---------------------------------------------------------------------------------------------
@@ -385,6 +410,14 @@ const Kernels& select_kernels() {
   if (k512 != nullptr && cap != "portable" && cap != "avx2") return *k512;
   if (k2 != nullptr && cap != "portable") return *k2;
   return kPortable;
+}
+
+SwigluFn select_swiglu() {
+#ifdef DFLASH_HAVE_X86_DISPATCH
+  // The AVX2 loop serves AVX-512 CPUs too: the op is a small part of a step.
+  if (&select_kernels() != &kPortable) return swiglu_avx2;
+#endif
+  return swiglu_portable;
 }
 
 }  // namespace dflash

@@ -38,3 +38,11 @@ def skip_rms_norm_model(epsilon: float = 1e-5, gamma: np.ndarray | None = None):
         [helper.make_tensor_value_info(n, TensorProto.FLOAT, None) for n in ("output", "sum")],
         [] if gamma is None else [numpy_helper.from_array(gamma.astype(np.float32), "gamma")])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.dflash", 1)])
+
+
+def swiglu_model():
+    """One-node SwiGLU model: input "x" (untyped, so that bad shapes reach the op), output "y"."""
+    node = helper.make_node("SwiGLU", ["x"], ["y"], domain="ai.dflash")
+    graph = helper.make_graph([node], "swiglu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, None)],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.dflash", 1)])

@@ -79,5 +79,6 @@ void parallel_for(OrtKernelContext* ctx, int64_t n, const F& fn, const char* on_
 
 // The ops defined outside tree_attention.cc (which registers them all).
 const OrtCustomOp* skip_rms_norm_op();  // skip_rms_norm.cc
+const OrtCustomOp* swiglu_op();         // swiglu.cc
 
 }  // namespace dflash

@@ -243,3 +243,9 @@ def skip_rms_norm(x, skip, gamma, epsilon):
     total = x.astype(np.float64) + skip
     inv = 1.0 / np.sqrt(np.mean(total * total, axis=-1, keepdims=True) + epsilon)
     return (total * inv * gamma).astype(np.float32), (x + skip).astype(np.float32)
+
+
+def swiglu(x):
+    """SwiGLU in float64: silu(x[..., :I]) * x[..., I:]."""
+    gate, up = np.split(x.astype(np.float64), 2, axis=-1)
+    return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)

@@ -719,6 +719,7 @@ RegisterCustomOps(OrtSessionOptions* options, const OrtApiBase* api_base) {
     domain.Add(dflash::matmul_q4_op());
     domain.Add(dflash::matmul_q8_op());
     domain.Add(dflash::skip_rms_norm_op());
+    domain.Add(dflash::swiglu_op());
     Ort::UnownedSessionOptions(options).Add(domain);
     std::lock_guard<std::mutex> lock(dflash::g_domains_mutex);
     dflash::g_domains->push_back(domain.release());

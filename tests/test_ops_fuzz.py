@@ -2,7 +2,7 @@
 paths must match the numpy reference, and a row must give the same bits as its query decoded
 alone; wrong inputs must raise a clean onnxruntime error. Every
 fourth case also runs MatMulQ4 or MatMulQ8 (in turn) at a random size against its bit-exact
-reference, and another fourth SkipRMSNorm against its float64 reference.
+reference, and another fourth SkipRMSNorm and SwiGLU against their float64 references.
 
 The cases run in a child process, so a crash is a test failure with the last case named, not a
 dead pytest. `make test` also runs them against the AddressSanitizer/UBSan build of the library
@@ -290,6 +290,34 @@ def check_skip_rms_norm(rng, threads: int) -> str | None:
     return None
 
 
+def check_swiglu(rng, threads: int) -> str | None:
+    """SwiGLU at a random size on a random kernel path against its reference, and a random slice
+    of the rows alone against the same rows of the full call."""
+    import onnxruntime as ort
+
+    import dflash.ops
+    from dflash.ops import models, reference
+
+    M, I = int(rng.integers(0, 120)), int(rng.integers(1, 2000))
+    kernels = KERNELS[int(rng.integers(len(KERNELS)))]
+    os.environ["DFLASH_OPS_KERNELS"] = kernels  # read when the session creates the kernel
+    so = ort.SessionOptions()
+    so.intra_op_num_threads = threads
+    so.enable_cpu_mem_arena = False
+    dflash.ops.register(so)
+    sess = ort.InferenceSession(models.swiglu_model().SerializeToString(), so, providers=["CPUExecutionProvider"])
+    x = (rng.standard_normal((M, 2 * I)) * 5).astype(np.float32)
+    where = f"SwiGLU M={M} I={I} kernels={kernels or 'best'}"
+    y = sess.run(None, {"x": x})[0]
+    if not np.allclose(y, reference.swiglu(x), rtol=1e-5, atol=1e-5):
+        return f"{where}: differs from the reference"
+    start = int(rng.integers(0, M + 1))
+    stop = int(rng.integers(start, M + 1))
+    if not np.array_equal(sess.run(None, {"x": x[start:stop]})[0], y[start:stop]):
+        return f"{where}: rows {start}:{stop} alone differ from the same rows of the full call"
+    return None
+
+
 def run_case(i: int, seed: int) -> str | None:
     """Case i: two in three are valid cases, every third a wrong input; returns a failure or None."""
     from onnxruntime.capi import onnxruntime_pybind11_state as ort_state
@@ -303,7 +331,7 @@ def run_case(i: int, seed: int) -> str | None:
         if problem is None and i % 4 == 1:
             problem = check_quantized_matmul(rng, c["threads"], bits=4 if i % 8 == 1 else 8)
         if problem is None and i % 4 == 3:
-            problem = check_skip_rms_norm(rng, c["threads"])
+            problem = check_skip_rms_norm(rng, c["threads"]) or check_swiglu(rng, c["threads"])
         return problem
     what = list(MUTATIONS)[i // 3 % len(MUTATIONS)]  # each in turn
     graph, feeds = mutate(c, what, rng)
