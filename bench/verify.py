@@ -31,9 +31,10 @@ def time_forwards(bundles, threads: int, repeats: int, paths=("native",)) -> lis
                 key = name if len(paths) == 1 else f"{name} {path}"
                 targets[key], path_of[key] = Target(load_bundle(folder), threads), path
     for target in targets.values():  # a fresh session's first forwards are slow: keep them out
+        past = max(0, min(256, target.capacity - 8))
         for s in (1, 8, 1):
             for _ in range(30):
-                target.forward(np.arange(s) + 100, np.arange(256, 256 + s), causal_mask(s), 256)
+                target.forward(np.arange(s) + 100, np.arange(past, past + s), causal_mask(s), past)
     rows = []
     with click.progressbar(GRID, label="verify", file=sys.stderr) as bar:
         for past, s in bar:
