@@ -6,6 +6,7 @@
 #include <onnxruntime_cxx_api.h>
 #undef ORT_API_MANUAL_INIT
 
+#include <algorithm>
 #include <atomic>
 #include <cstdint>
 #include <sstream>
@@ -75,6 +76,26 @@ void parallel_for(OrtKernelContext* ctx, int64_t n, const F& fn, const char* on_
   Ort::ThrowOnError(Ort::GetApi().KernelContext_ParallelFor(ctx, thunk, static_cast<size_t>(n),
                                                                 static_cast<size_t>(batches), &job));
   if (job.failed) throw std::runtime_error(on_failure);
+}
+
+// The rows of a [..., H] tensor: the product of all but its last dimension.
+inline int64_t leading_rows(const std::vector<int64_t>& shape) {
+  int64_t rows = 1;
+  for (size_t i = 0; i + 1 < shape.size(); ++i) rows *= shape[i];
+  return rows;
+}
+
+// row(m) for m in 0..rows-1, for ops whose rows are independent. A call of fewer than 64K values
+// runs on the calling thread: ORT's pool would cost more than it saves (it splits even 8 rows);
+// a larger one goes to the pool in at most 16 runs of rows.
+template <typename F>
+void for_each_row(OrtKernelContext* ctx, int64_t rows, int64_t values, const F& row, const char* on_failure) {
+  constexpr int64_t kInlineValues = 64 * 1024, kRowBatches = 16;
+  if (values < kInlineValues) {
+    for (int64_t m = 0; m < rows; ++m) row(m);
+  } else {
+    parallel_for(ctx, rows, row, on_failure, std::min(rows, kRowBatches));
+  }
 }
 
 // The ops defined outside tree_attention.cc (which registers them all).

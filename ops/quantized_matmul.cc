@@ -125,8 +125,7 @@ struct QuantizedMatMulKernel {
     const auto s_shape = scales.GetTensorTypeAndShapeInfo().GetShape();
     if (w_shape != w_want) fail("weight ", shape_str(w_shape), " must be ", shape_str(w_want), " for K, N = ", K, ", ", N);
     if (s_shape != s_want) fail("scales ", shape_str(s_shape), " must be ", shape_str(s_want), " for K, N = ", K, ", ", N);
-    int64_t M = 1;
-    for (size_t i = 0; i + 1 < a_shape.size(); ++i) M *= a_shape[i];
+    const int64_t M = leading_rows(a_shape);
     std::vector<int64_t> y_shape = a_shape;
     y_shape.back() = N;
     float* y = ctx.GetOutput(0, y_shape).GetTensorMutableData<float>();

@@ -5,11 +5,10 @@
 // It does what ORT's com.microsoft.SkipSimplifiedLayerNormalization does, without its thread pool
 // hand-off: ORT splits even an 8-row call over the pool, and 60 such nodes cost an 8-row int4
 // verify of the default model ~0.5 ms (measured by deleting them), while a one-row call runs
-// inline. Here a call of fewer than kInlineValues values runs on the calling thread. Each row's
+// inline. Here small calls run on the calling thread (for_each_row, op_support.h). Each row's
 // arithmetic is the same whatever the row count (16 running sums in a fixed order), so a row
 // verified with others gets the bits it gets alone.
 
-#include <algorithm>
 #include <cmath>
 #include <memory>
 #include <sstream>
@@ -21,9 +20,7 @@
 namespace dflash {
 namespace {
 
-constexpr int64_t kLanes = 16;                 // running sums of squares per row
-constexpr int64_t kInlineValues = 64 * 1024;  // smaller calls skip the thread pool
-constexpr int64_t kRowBatches = 16;            // runs of rows handed to the pool otherwise
+constexpr int64_t kLanes = 16;  // running sums of squares per row
 
 void norm_row(const float* x, const float* skip, const float* gamma, float eps, int64_t H, float* out, float* sum) {
   float part[kLanes] = {};
@@ -66,19 +63,15 @@ struct SkipRMSNormKernel {
       fail_in("SkipRMSNorm", "skip ", shape_str(skip_shape), " must have the input's shape ", shape_str(shape));
     if (gamma_shape != std::vector<int64_t>{H})
       fail_in("SkipRMSNorm", "gamma ", shape_str(gamma_shape), " must be [", H, "], the input's last dimension");
-    int64_t M = 1;
-    for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
+    const int64_t M = leading_rows(shape);
     float* out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
     float* sum = ctx.GetOutput(1, shape).GetTensorMutableData<float>();
     const float* xs = x.GetTensorData<float>();
     const float* ss = skip.GetTensorData<float>();
     const float* g = gamma.GetTensorData<float>();
-    auto row = [&](int64_t m) { norm_row(xs + m * H, ss + m * H, g, epsilon, H, out + m * H, sum + m * H); };
-    if (M * H < kInlineValues) {
-      for (int64_t m = 0; m < M; ++m) row(m);
-    } else {
-      parallel_for(context, M, row, "SkipRMSNorm failed", std::min(M, kRowBatches));
-    }
+    for_each_row(context, M, M * H, [&](int64_t m) {
+      norm_row(xs + m * H, ss + m * H, g, epsilon, H, out + m * H, sum + m * H);
+    }, "SkipRMSNorm failed");
   }
 };
 

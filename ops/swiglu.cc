@@ -3,10 +3,9 @@
 //
 // One node where the plain graph has three (Split, and Sigmoid + two Mul, which ORT fuses into
 // QuickGelu + Mul): deleting those nodes from the int4 default model saved ~0.2 ms a forward at
-// 1 and at 8 rows. Calls of fewer than kInlineValues values run on the calling thread; the loop
+// 1 and at 8 rows. Small calls run on the calling thread (for_each_row, op_support.h); the loop
 // is elementwise (kernels.cc), so a row's values never depend on the other rows.
 
-#include <algorithm>
 #include <memory>
 #include <string>
 
@@ -15,9 +14,6 @@
 
 namespace dflash {
 namespace {
-
-constexpr int64_t kInlineValues = 64 * 1024;  // smaller calls skip the thread pool
-constexpr int64_t kRowBatches = 16;            // runs of rows handed to the pool otherwise
 
 struct SwigluKernel {
   SwigluFn swiglu = nullptr;
@@ -34,17 +30,11 @@ struct SwigluKernel {
     if (shape.empty() || shape.back() % 2 != 0)
       fail_in("SwiGLU", "input ", shape_str(shape), " must end in an even dimension (gate | up)");
     const int64_t I = shape.back() / 2;
-    int64_t M = 1;
-    for (size_t i = 0; i + 1 < shape.size(); ++i) M *= shape[i];
+    const int64_t M = leading_rows(shape);
     shape.back() = I;
     float* out = ctx.GetOutput(0, shape).GetTensorMutableData<float>();
     const float* xs = x.GetTensorData<float>();
-    auto row = [&](int64_t m) { swiglu(xs + 2 * I * m, I, out + I * m); };
-    if (M * I < kInlineValues) {
-      for (int64_t m = 0; m < M; ++m) row(m);
-    } else {
-      parallel_for(context, M, row, "SwiGLU failed", std::min(M, kRowBatches));
-    }
+    for_each_row(context, M, M * I, [&](int64_t m) { swiglu(xs + 2 * I * m, I, out + I * m); }, "SwiGLU failed");
   }
 };
 

@@ -178,18 +178,22 @@ def model_for(c: dict, graph: dict):
                              opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid(dflash.ops.DOMAIN, 1)])
 
 
-def session_for(c: dict, graph: dict | None = None):
+def op_session(model, threads: int):
+    """A session of a one-node model with the op library, on `threads` threads."""
     import onnxruntime as ort
 
     import dflash.ops
 
     so = ort.SessionOptions()
-    so.intra_op_num_threads = c["threads"]
+    so.intra_op_num_threads = threads
     so.enable_cpu_mem_arena = False  # every tensor its own allocation: the sanitizer sees overruns
     so.log_severity_level = 4
     dflash.ops.register(so)
-    return ort.InferenceSession(model_for(c, graph or {}).SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
+    return ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+
+
+def session_for(c: dict, graph: dict | None = None):
+    return op_session(model_for(c, graph or {}), c["threads"])
 
 
 def check_valid(sess, c: dict) -> str | None:
@@ -229,9 +233,6 @@ def check_quantized_matmul(rng, threads: int, bits: int) -> str | None:
     """MatMulQ4 (bits 4) or MatMulQ8 (bits 8) at a random size (partial last tile, 0..70 rows: every row group and remainder of
     the register-blocked kernels) on a random kernel path against its numpy reference, and a random
     slice of the rows alone against the same rows of the full call."""
-    import onnxruntime as ort
-
-    import dflash.ops
     from dflash.ops import models, reference
 
     op = f"MatMulQ{bits}"
@@ -242,12 +243,7 @@ def check_quantized_matmul(rng, threads: int, bits: int) -> str | None:
     kernels = KERNELS[int(rng.integers(len(KERNELS)))]
     os.environ["DFLASH_OPS_KERNELS"] = kernels  # read when the session creates the kernel
     packed, scales = pack(rng.standard_normal((K, N)).astype(np.float32))
-    model = one_node(K, N, packed, scales)  # untyped input
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.enable_cpu_mem_arena = False
-    dflash.ops.register(so)
-    sess = ort.InferenceSession(model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = op_session(one_node(K, N, packed, scales), threads)  # untyped input
     a = rng.standard_normal((M, K)).astype(np.float32)
     where = f"{op} K={K} N={N} M={M} kernels={kernels or 'best'}"
     full = sess.run(None, {"a": a})[0]
@@ -263,19 +259,11 @@ def check_quantized_matmul(rng, threads: int, bits: int) -> str | None:
 def check_skip_rms_norm(rng, threads: int) -> str | None:
     """SkipRMSNorm at a random size (0..300 rows: both the inline and the thread-pool call) against
     its reference, and a random slice of the rows alone against the same rows of the full call."""
-    import onnxruntime as ort
-
-    import dflash.ops
     from dflash.ops import models, reference
 
     M, H = int(rng.integers(0, 301)), int(rng.integers(1, 1200))
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.enable_cpu_mem_arena = False
-    dflash.ops.register(so)
     gamma = rng.standard_normal(H).astype(np.float32)
-    sess = ort.InferenceSession(models.skip_rms_norm_model(1e-5, gamma).SerializeToString(), so,
-                                providers=["CPUExecutionProvider"])
+    sess = op_session(models.skip_rms_norm_model(1e-5, gamma), threads)
     x, skip = (rng.standard_normal((M, H)).astype(np.float32) for _ in range(2))
     where = f"SkipRMSNorm M={M} H={H}"
     out, total = sess.run(None, {"input": x, "skip": skip})
@@ -293,19 +281,12 @@ def check_skip_rms_norm(rng, threads: int) -> str | None:
 def check_swiglu(rng, threads: int) -> str | None:
     """SwiGLU at a random size on a random kernel path against its reference, and a random slice
     of the rows alone against the same rows of the full call."""
-    import onnxruntime as ort
-
-    import dflash.ops
     from dflash.ops import models, reference
 
     M, I = int(rng.integers(0, 120)), int(rng.integers(1, 2000))
     kernels = KERNELS[int(rng.integers(len(KERNELS)))]
     os.environ["DFLASH_OPS_KERNELS"] = kernels  # read when the session creates the kernel
-    so = ort.SessionOptions()
-    so.intra_op_num_threads = threads
-    so.enable_cpu_mem_arena = False
-    dflash.ops.register(so)
-    sess = ort.InferenceSession(models.swiglu_model().SerializeToString(), so, providers=["CPUExecutionProvider"])
+    sess = op_session(models.swiglu_model(), threads)
     x = (rng.standard_normal((M, 2 * I)) * 5).astype(np.float32)
     where = f"SwiGLU M={M} I={I} kernels={kernels or 'best'}"
     y = sess.run(None, {"x": x})[0]
