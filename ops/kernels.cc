@@ -47,9 +47,12 @@ typedef float vf4 __attribute__((vector_size(16)));
 typedef int32_t vi4 __attribute__((vector_size(16)));
 typedef float vf8 __attribute__((vector_size(32)));
 typedef int32_t vi8 __attribute__((vector_size(32)));
+typedef float vf16 __attribute__((vector_size(64)));  // only the AVX-512 SwiGLU loop uses these
+typedef int32_t vi16 __attribute__((vector_size(64)));
 template <class F> struct IntVec;
 template <> struct IntVec<vf4> { typedef vi4 type; };
 template <> struct IntVec<vf8> { typedef vi8 type; };
+template <> struct IntVec<vf16> { typedef vi16 type; };
 
 template <class F> DFLASH_BODY F load(const float* p) {
   F v;
@@ -378,6 +381,7 @@ DFLASH_AVX512 void accumulate_avx512(const float* p, int64_t Vp, int64_t V, int6
 }
 
 const Kernels kAvx512 = {"avx512", scores_avx512, softmax_avx512, accumulate_avx512};
+DFLASH_AVX512 void swiglu_avx512(const float* x, int64_t I, float* out) { swiglu_generic<vf16>(x, I, out); }
 #endif  // DFLASH_HAVE_AVX512
 
 }  // namespace
@@ -413,8 +417,10 @@ const Kernels& select_kernels() {
 }
 
 SwigluFn select_swiglu() {
+#ifdef DFLASH_HAVE_AVX512
+  if (&select_kernels() == &kAvx512) return swiglu_avx512;
+#endif
 #ifdef DFLASH_HAVE_X86_DISPATCH
-  // The AVX2 loop serves AVX-512 CPUs too: the op is a small part of a step.
   if (&select_kernels() != &kPortable) return swiglu_avx2;
 #endif
   return swiglu_portable;

@@ -39,8 +39,8 @@ const Kernels* avx512_kernels();
 // variable DFLASH_OPS_KERNELS=portable|avx2 caps the choice (used by tests to run every path).
 const Kernels& select_kernels();
 
-// The SwiGLU op's loop over one row: out[i] = silu(x[i]) * x[I + i] for i < I; the AVX2 version
-// where select_kernels() picks AVX2 or AVX-512, else the portable one.
+// The SwiGLU op's loop over one row: out[i] = silu(x[i]) * x[I + i] for i < I, on the path
+// select_kernels() picks.
 using SwigluFn = void (*)(const float* x, int64_t I, float* out);
 SwigluFn select_swiglu();
 

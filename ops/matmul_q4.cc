@@ -75,7 +75,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(con
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* tb = job.tile_block(t, b);
-    if (job.M > 1) prefetch_ahead(job, t, b);  // past the end of the weights is harmless: prefetches never fault
+    prefetch_ahead(job, t, b);  // past the end of the weights is harmless: prefetches never fault
     __m512i dot[R][kChains];  // the low-nibble and high-nibble halves of a row's dot
     for (int r = 0; r < R; ++r) {
       dot[r][0] = _mm512_set1_epi32(offset[r * KB + b]);  // a broadcast load: no vector ALU work
@@ -132,7 +132,7 @@ __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t 
   alignas(32) float acc[R][16] = {};
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* tb = job.tile_block(t, b);
-    if (job.M > 1) prefetch_ahead(job, t, b);
+    prefetch_ahead(job, t, b);
     __m256i pairs[R][2];
     for (int r = 0; r < R; ++r) pairs[r][0] = pairs[r][1] = _mm256_setzero_si256();
     for (int c4 = 0; c4 < 4; ++c4) {

@@ -62,6 +62,7 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const Jo
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
     const uint8_t* tb = job.tile_block(t, b);
+    prefetch_ahead(job, t, b);  // past the end of the weights is harmless: prefetches never fault
     __m512i dot[R];
     for (int r = 0; r < R; ++r) dot[r] = _mm512_set1_epi32(offset[r * KB + b]);
     for (int g = 0; g < 8; ++g) {
@@ -103,6 +104,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& job, int64_t t, in
     for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* tb = job.tile_block(t, b) + 32 * half;
+      if (half == 0) prefetch_ahead(job, t, b);  // the second half finds the block in cache
       __m256i lo_sum[R], hi_sum[R];
       for (int r = 0; r < R; ++r) lo_sum[r] = hi_sum[r] = _mm256_setzero_si256();
       for (int g = 0; g < 8; ++g) {

@@ -12,7 +12,7 @@ from dflash.ops import models, reference
 from test_ops import ORT_ERRORS, lib, session  # noqa: F401  (fixture and helpers)
 
 
-@pytest.mark.parametrize("kernels", [None, "portable"])
+@pytest.mark.parametrize("kernels", [None, "avx2", "portable"])
 @pytest.mark.parametrize("I", [1, 7, 8, 9, 1536])
 def test_matches_the_reference(lib, monkeypatch, kernels, I):
     if kernels:
