@@ -30,6 +30,26 @@ def test_anchors_and_label_rows_stay_inside_the_sequence():
     assert label_rows([17, 18], 4, 20).tolist() == [[17, 18, -1], [18, -1, -1]]
 
 
+def test_greedy_path_keeps_a_position_only_while_the_data_before_it_is_the_argmax():
+    from dflash.train.fit import greedy_path
+    from dflash.train.objective import label_rows
+
+    rng = random.Random(1)
+    d2t = torch.tensor([3, 5, 8, 13])  # draft id -> target id
+    tokens = torch.tensor([rng.choice([3, 5, 8, 13]) for _ in range(30)])
+    top = torch.tensor([rng.randrange(4) for _ in range(30)])  # each row's argmax, in draft ids
+    anchors, block = [0, 4, 11, 26], 6
+    rows = label_rows(anchors, block, len(tokens))
+    keep = greedy_path(top, tokens, rows, d2t)
+    for n, a in enumerate(anchors):
+        for k in range(1, block):  # position k predicts token a+k; tokens a+1..a+k-1 come before it
+            if rows[n, k - 1] < 0:
+                continue  # past the end: no label at all
+            expected = all(int(tokens[a + j]) == int(d2t[top[a + j - 1]]) for j in range(1, k))
+            assert bool(keep[n, k - 1]) == expected, (a, k)
+    assert keep[:, 0].all() and not keep.all()
+
+
 def test_soft_loss_is_cross_entropy_for_one_hot_labels_and_ignores_outside_ids():
     from dflash.train.objective import position_weights, soft_loss
 
@@ -116,7 +136,7 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
                   **options)
     assert first["step"] == 20 and first["history"]
     later = train(source, manifest, [tmp_path / "data"], tmp_path / "drafter", tmp_path / "cache", max_steps=30,
-                  resume=True, **options)
+                  resume=True, greedy_only=True, **options)  # resumed under the greedy-path labels
     assert later["step"] == 30 and len(later["history"]) == len(first["history"]) + 1
     warm = train(source, manifest, [tmp_path / "data"], tmp_path / "warm", tmp_path / "cache", max_steps=0,
                  init_from=tmp_path / "drafter", **options)  # no step: saves the weights as loaded

@@ -80,8 +80,11 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed):
               help="start from this drafter's weights (e.g. export/default_drafter or export/default_eagle3) "
                    "with a fresh optimizer; a DFlash drafter with more --layers grows from one with fewer "
                    "(its new layers start as the identity)")
+@click.option("--greedy-only", is_flag=True,
+              help="dflash: learn a block position only where the data before it is the target's greedy "
+                   "choice (what a verify accepts), not past a sampled detour")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
-        mask_token_id, text_tokens, threads, seed, resume, init_from):
+        mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
     (see dflash/train/fit.py and eagle3.py)."""
     import torch
@@ -97,6 +100,9 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
     if arch == "eagle3":
         from . import eagle3
 
+        if greedy_only:
+            raise click.ClickException("--greedy-only is for --arch dflash (an EAGLE-3 head drafts one token a step)")
+
         taps = [int(t) for t in head_taps.split(",")] if head_taps else None
         eagle3.train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", taps=taps,
                      draft_vocab=draft_vocab or 8192, minutes=minutes, lr=min(lr, 3e-4), seed=seed, resume=resume,
@@ -104,7 +110,7 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
         return
     train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
-          seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from,
+          seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
           echo=lambda m: click.echo(m, err=True))
 
 

@@ -173,21 +173,41 @@ class LabelCache:
                 torch.from_numpy(np.asarray(self.soft_p[lo:hi])))
 
 
-def block_labels(cache: LabelCache, i: int, anchors, block: int):
-    """Soft labels [n, B-1, K] (ids, probs) and which block positions have one."""
-    import torch
-
+def block_labels(cache: LabelCache, i: int, anchors, block: int, greedy_tokens=None):
+    """Soft labels [n, B-1, K] (ids, probs) and which block positions have one.  With the
+    sequence's `greedy_tokens`, a position also needs the data between the anchor and it to be
+    the target's greedy choices (greedy_path)."""
     _, ids, probs = cache.sequence(i)
     rows = label_rows(anchors, block, len(ids))
     valid = rows >= 0
+    if greedy_tokens is not None:
+        valid &= greedy_path(ids[:, 0], greedy_tokens, rows, cache.d2t)
     return ids[rows.clamp(min=0)], probs[rows.clamp(min=0)], valid.float()
+
+
+def greedy_path(top_ids, tokens, rows, d2t):
+    """[n, B-1] whether block position k's label is on the target's greedy path: every data token
+    between the anchor and position k is the target's argmax.  A verify accepts position k only
+    then, so a label past a sampled detour trains the drafter on a prefix it never drafts from.
+    The argmax is the top soft label (over the draft vocabulary: a token outside it can never be
+    accepted anyway)."""
+    import torch
+
+    argmax = top_ids if d2t is None else d2t[top_ids]
+    on = torch.zeros(len(tokens), dtype=torch.bool)  # on[r]: token r+1 is row r's argmax
+    on[:-1] = tokens[1:] == argmax[:-1]
+    steps = on[rows.clamp(min=0)]
+    keep = torch.ones_like(steps)
+    keep[:, 1:] = steps[:, :-1].int().cumprod(-1).bool()
+    return keep
 
 
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
-          text_tokens=0, init_from=None, echo=print) -> dict:
+          text_tokens=0, init_from=None, greedy_only=False, echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
-    `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start)."""
+    `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start);
+    `greedy_only`: learn only labels on the target's greedy path (see greedy_path)."""
     import torch
 
     from dflash.export.dflash import DFlashConfig, DFlashDrafter
@@ -242,7 +262,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         features = cache.sequence(i)[0]
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin)
-        label_ids, label_p, valid = block_labels(cache, i, picked, block)
+        label_ids, label_p, valid = block_labels(cache, i, picked, block, tokens if greedy_only else None)
         loss = soft_loss(logits, label_ids, label_p, valid, weights)
         optimizer.zero_grad()
         loss.backward()
