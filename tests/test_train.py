@@ -50,6 +50,15 @@ def test_greedy_path_keeps_a_position_only_while_the_data_before_it_is_the_argma
     assert keep[:, 0].all() and not keep.all()
 
 
+def test_a_paused_step_counts_only_up_to_the_cap_against_the_budget():
+    import time
+
+    from dflash.train.fit import MAX_STEP_SECONDS, step_seconds
+
+    assert step_seconds(time.perf_counter() - 600) == MAX_STEP_SECONDS  # stopped for ten minutes
+    assert 0.2 <= step_seconds(time.perf_counter() - 0.25) < 1.0  # an ordinary step counts as it ran
+
+
 def test_soft_loss_is_cross_entropy_for_one_hot_labels_and_ignores_outside_ids():
     from dflash.train.objective import position_weights, soft_loss
 

@@ -173,7 +173,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
 
     from .data import Target
     from .fit import (LabelCache, draft_vocabulary, learning_rate, load_sequences, native_bf16, plot_history,
-                      resume_from, text_sequences)
+                      resume_from, step_seconds, text_sequences)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -219,7 +219,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
         torch.nn.utils.clip_grad_norm_(head.parameters(), 0.5)
         optimizer.step()
         state["step"] += 1
-        state["seconds"] += time.perf_counter() - start
+        state["seconds"] += step_seconds(start)
         if time.perf_counter() - last_eval > 120 or state["seconds"] >= budget or state["step"] == max_steps:
             tau = held_out_tau(head, cache, rows, held_ids, columns, embed, cos, sin)
             state["history"].append({"step": state["step"], "minutes": state["seconds"] / 60, "loss": loss.item(),

@@ -269,7 +269,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
         optimizer.step()
         state["step"] += 1
-        state["seconds"] += time.perf_counter() - start
+        state["seconds"] += step_seconds(start)
         if time.perf_counter() - last_eval > 120 or state["seconds"] >= budget or state["step"] == max_steps:
             tau = held_out_tau(drafter, rows, cache, held_ids, embed, lm_head, cos, sin)
             state["history"].append({"step": state["step"], "minutes": state["seconds"] / 60,
@@ -311,6 +311,16 @@ def warm_start(drafter, folder, echo) -> None:
                     projection.bias.zero_()
     grown = drafter.config.layers - source.config.layers
     echo(f"started from the weights in {folder}" + (f", {grown} more layer(s) as the identity" if grown else ""))
+
+
+# A step takes well under a second; one that took longer than this was paused (SIGSTOP while
+# something was timed) and counts as this much, so pausing a fit does not spend its budget.
+MAX_STEP_SECONDS = 5.0
+
+
+def step_seconds(start: float) -> float:
+    """The seconds of training a step that began at `start` (time.perf_counter()) counts."""
+    return min(time.perf_counter() - start, MAX_STEP_SECONDS)
 
 
 def learning_rate(peak: float, state: dict, budget: float) -> float:
