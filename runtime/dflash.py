@@ -4,7 +4,11 @@ The drafter reads the target's tap features of the committed tokens (its context
 block [anchor, MASK x (B-1)], and returns the K likeliest tokens at each block position.
 `dflash` drafts the argmax chain, cut where the calibrated confidence stops paying for the
 verify rows; `dflash-tree` (DDTree) grows a best-first tree over the same per-position
-candidates under a node budget the same rule sets.  Its cache holds context rows only:
+candidates under a node budget the same rule sets.  A call serves only the block positions the
+policy may use (one past its expected chain): the drafter was trained on blocks of 16, but where
+verify rows are dear (int4 targets) chains are short, and a block of 3-4 rows costs about half
+a full one while its first positions are drafted nearly as well (the block rows see each other,
+so the drafts can differ slightly from a full block's).  Its cache holds context rows only:
 each call writes the pending context rows (those of the last step's accepted tokens) after
 the ones already there, and the block rows after those are scratch.
 """
@@ -29,6 +33,7 @@ class DrafterSession:
     context length to numpy memory allocated once, and its KV cache is updated in place."""
 
     MAX_CONTEXT = 64  # context rows per call; more (a prompt's) are fed in chunks of this size
+    MIN_BLOCK = 3  # the fewest block rows the graph takes (the anchor and two masks)
 
     def __init__(self, bundle: Bundle, threads: int | None = None, cores: list[int] | None = None):
         info = bundle.manifest["dflash"]
@@ -55,15 +60,15 @@ class DrafterSession:
         self._past = np.zeros((), np.int64)
         self._bindings: dict[int, ort.IOBinding] = {}
 
-    def _binding(self, n: int) -> ort.IOBinding:
-        """The binding for calls with N context rows, made once per N and reused."""
-        binding = self._bindings.get(n)
+    def _binding(self, n: int, block: int) -> ort.IOBinding:
+        """The binding for calls with N context rows and a block of B rows, made once and reused."""
+        binding = self._bindings.get((n, block))
         if binding is None:
             binding = self.session.io_binding()
-            rows = n + self.block
+            rows = n + block
             value = ort.OrtValue.ortvalue_from_numpy
             binding.bind_ortvalue_input("context", value(self._context[:, :n]))
-            binding.bind_ortvalue_input("block_ids", value(self._block_ids))
+            binding.bind_ortvalue_input("block_ids", value(self._block_ids[:, :block]))
             binding.bind_ortvalue_input("position_ids", value(self._positions[:, :rows]))
             binding.bind_ortvalue_input("attention_mask", value(np.ascontiguousarray(self._mask[:rows, :rows])))
             binding.bind_ortvalue_input("past_len", value(self._past))
@@ -72,26 +77,30 @@ class DrafterSession:
                 binding.bind_ortvalue_input(f"past_{kind}_{layer}", cache)
                 binding.bind_ortvalue_output(f"present_{kind}_{layer}", cache)
             for name in ("logits", "top_logprobs", "top_ids"):
-                binding.bind_ortvalue_output(name, value(getattr(self, name)))
-            self._bindings[n] = binding
+                binding.bind_ortvalue_output(name, value(getattr(self, name)[:, : block - 1]))
+            self._bindings[(n, block)] = binding
         return binding
 
-    def run(self, context: np.ndarray, anchor: int, past: int) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, context: np.ndarray, anchor: int, past: int, block: int | None = None
+            ) -> tuple[np.ndarray, np.ndarray]:
         """Context rows [N, T*H] at positions past..past+N-1, the anchor right after them:
-        (log-probs, ids) [B-1, K] of the likeliest tokens at block positions 1..B-1."""
+        (log-probs, ids) [B-1, K] of the likeliest tokens at block positions 1..B-1, for a block
+        of B = `block` rows (default and at most: the trained block size; at least MIN_BLOCK)."""
+        block = self.block if block is None else min(max(block, self.MIN_BLOCK), self.block)
         context = np.asarray(context, np.float32).reshape(-1, self.width)
-        while len(context) > self.MAX_CONTEXT:  # a long context: its leading rows only fill the cache
-            self._run(context[: self.MAX_CONTEXT], anchor, past)
+        while len(context) > self.MAX_CONTEXT:  # a long context: its leading rows only fill the cache,
+            # and the context's cache rows do not depend on the block, so the smallest one serves
+            self._run(context[: self.MAX_CONTEXT], anchor, past, self.MIN_BLOCK)
             context, past = context[self.MAX_CONTEXT:], past + self.MAX_CONTEXT
-        self._run(context, anchor, past)
-        return self.top_logprobs[0], self.top_ids[0]
+        self._run(context, anchor, past, block)
+        return self.top_logprobs[0, : block - 1], self.top_ids[0, : block - 1]
 
-    def _run(self, context: np.ndarray, anchor: int, past: int) -> None:
+    def _run(self, context: np.ndarray, anchor: int, past: int, block: int) -> None:
         n = len(context)
-        binding = self._binding(n)
+        binding = self._binding(n, block)
         self._context[0, :n] = context
         self._block_ids[0, 0] = anchor
-        self._positions[0, : n + self.block] = np.arange(past, past + n + self.block)
+        self._positions[0, : n + block] = np.arange(past, past + n + block)
         self._past[...] = past
         run_pinned(self.session, binding, self.cores)
 
@@ -118,14 +127,17 @@ class DFlashDrafter(Drafter):
     def propose(self, history: list[int], room: int) -> Draft:
         self.main, self.confidence = [], []
         limit = min(room, self.session.block - 1, MAX_DRAFT)
-        if self.policy.chain_length(self.acceptance, 0.0, limit, fixed_ms=self.call_ms) == 0:
+        planned = self.policy.chain_length(self.acceptance, 0.0, limit, fixed_ms=self.call_ms)
+        if planned == 0:
             return Draft()  # the context waits in `pending` for the next call
+        # Positions to draft: the planned chain, and one more where confident drafts may go on.
+        positions = planned if self.policy.fixed is not None else min(planned + 1, limit)
         context = np.concatenate(self.pending) if self.pending else np.zeros((0, self.session.width), np.float32)
         if self.past + len(context) != len(history) - 1:
             raise RuntimeError(f"drafter context out of step: {self.past} + {len(context)} rows "
                                f"for {len(history) - 1} committed tokens")
         start = time.perf_counter()
-        logprobs, ids = self.session.run(context, history[-1], self.past)
+        logprobs, ids = self.session.run(context, history[-1], self.past, block=positions + 1)
         self.call_ms += 0.1 * ((time.perf_counter() - start) * 1e3 - self.call_ms)
         self.past, self.pending = len(history) - 1, []
         if self.tree:

@@ -71,7 +71,8 @@ def reference_for(bundle, drafter_folder):
 @pytest.mark.parametrize("which", ["qwen3", "default"])
 def test_ort_drafter_equals_torch_reference(which, request):
     """A run of steps as the loop makes them: the prompt's rows (more than one call's worth, so
-    they are fed in chunks), then 1, B, 0, 3 and 20 new rows."""
+    they are fed in chunks), then 1, B, 0, 3 and 20 new rows, some with a served block shorter
+    than the trained one (and one asking for less than the smallest, which serves that)."""
     fixture = request.getfixturevalue(f"{which}_dflash")
     bundle, drafter_folder = fixture[0], fixture[-1]
     model = Model(bundle)
@@ -81,15 +82,17 @@ def test_ort_drafter_equals_torch_reference(which, request):
     width = len(config.target_layer_ids) * config.hidden_size
     past = 0
     assert DrafterSession.MAX_CONTEXT < 100
-    for n in (100, 1, BLOCK, 0, 3, 20):
+    for n, asked in ((100, None), (1, 3), (BLOCK, None), (0, 5), (3, 2), (20, None)):
+        block = BLOCK if asked is None else max(asked, DrafterSession.MIN_BLOCK)
         features = rng.standard_normal((n, width)).astype(np.float32)
         anchor = int(rng.integers(0, config.vocab_size))
-        session.run(features, anchor, past)
-        expected = reference.step(torch.from_numpy(features), [anchor] + [config.mask_token_id] * (BLOCK - 1),
+        logprobs, _ = session.run(features, anchor, past, block=asked)
+        expected = reference.step(torch.from_numpy(features), [anchor] + [config.mask_token_id] * (block - 1),
                                   past + n)
-        assert np.abs(session.logits[0] - expected.numpy()).max() <= 1e-4, n
+        assert len(logprobs) == block - 1
+        assert np.abs(session.logits[0, : block - 1] - expected.numpy()).max() <= 1e-4, n
         top = torch.log_softmax(expected, -1).topk(session.top_ids.shape[-1], -1)
-        assert np.abs(session.top_logprobs[0] - top.values.numpy()).max() <= 1e-4
+        assert np.abs(logprobs - top.values.numpy()).max() <= 1e-4
         past += n
 
 
