@@ -58,9 +58,9 @@ def ttt_logits(head, features, tokens, embed, cos, sin, steps: int = STEPS):
         values.append(head.v_proj(x).view(length, c.kv_heads, c.head_dim))
         k, v = torch.cat(keys), torch.cat(values)
         mask = ttt_mask(length, step)
-        attended = torch.nn.functional.scaled_dot_product_attention(
-            q.transpose(0, 1), k.transpose(0, 1).repeat_interleave(group, 0),
-            v.transpose(0, 1).repeat_interleave(group, 0), attn_mask=mask)
+        attended = torch.nn.functional.scaled_dot_product_attention(  # 4-D: the fused kernel (objective.py)
+            q.transpose(0, 1)[None], k.transpose(0, 1).repeat_interleave(group, 0)[None],
+            v.transpose(0, 1).repeat_interleave(group, 0)[None], attn_mask=mask)[0]
         residual = normed if c.norm_before_residual else h
         out = residual + head.o_proj(attended.transpose(0, 1).reshape(length, -1))
         out = out + head.mlp(_rms(out, head.post_attention_layernorm.weight, c.eps))
@@ -200,7 +200,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
     cos, sin = head.config.rotary_tables(max(len(r["prompt"]) + len(r["answer"]) for r in rows) + 1)
     held = max(1, len(rows) // 20)
     train_ids, held_ids = list(range(len(rows) - held)), list(range(len(rows) - held, len(rows)))
-    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    optimizer = torch.optim.AdamW(head.parameters(), lr=lr, betas=(0.9, 0.95), weight_decay=0.0, fused=True)
     checkpoint = out / "checkpoint.pt"
     state = resume_from(checkpoint, "head", head, optimizer, rng, echo) if resume else None
     state = state or {"step": 0, "seconds": 0.0, "history": []}

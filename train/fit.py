@@ -243,7 +243,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     if d2t is not None:
         lm_head = lm_head[:, d2t].contiguous()
     cos, sin = config.rotary_tables(max(len(r["prompt"]) + len(r["answer"]) for r in rows) + block + 1)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.01)
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.01, fused=True)  # fused: ~4x faster steps
     checkpoint = out / "checkpoint.pt"
     state = resume_from(checkpoint, "drafter", drafter, optimizer, rng, echo) if resume else None
     state = state or {"step": 0, "seconds": 0.0, "history": []}
@@ -338,7 +338,10 @@ def resume_from(checkpoint: Path, key: str, module, optimizer, rng, echo) -> dic
         return None
     saved = torch.load(checkpoint, weights_only=False)
     module.load_state_dict(saved[key])
+    kernels = [{k: g[k] for k in ("fused", "foreach") if k in g} for g in optimizer.param_groups]
     optimizer.load_state_dict(saved["optimizer"])
+    for group, chosen in zip(optimizer.param_groups, kernels):
+        group.update(chosen)  # this run's optimizer kernel, not the one the checkpoint was made with
     rng.setstate(saved["rng"])
     state = saved["state"]
     echo(f"resumed at step {state['step']} ({state['seconds'] / 60:.1f} min trained)")
