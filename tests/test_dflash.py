@@ -96,6 +96,36 @@ def test_ort_drafter_equals_torch_reference(which, request):
         past += n
 
 
+class BlockRecorder:
+    """A stand-in drafter session that records the block each call asks for."""
+
+    block, width, columns = BLOCK, 4, slice(None)
+
+    def __init__(self):
+        self.blocks = []
+
+    def run(self, context, anchor, past, block=None):
+        self.blocks.append(block)
+        rows = (block or self.block) - 1
+        return np.log(np.full((rows, 2), 0.5, np.float32)), np.ones((rows, 2), np.int64)
+
+
+@pytest.mark.parametrize("draft_len, block", [(None, 4), (5, 6)])
+def test_a_call_serves_only_the_block_positions_the_policy_may_use(draft_len, block):
+    """Verify rows beyond 3 are dear here, so the adaptive plan is 2 drafts: the call drafts those
+    and one more position (a block of 4 rows); a fixed draft length serves exactly that many."""
+    from dflash.runtime.dflash import DFlashDrafter
+    from dflash.runtime.policy import Policy, VerifyCost
+
+    session = BlockRecorder()
+    cost = VerifyCost({1: 1.0, 2: 1.1, 3: 1.2, 4: 3.0, 25: 30.0})
+    drafter = DFlashDrafter(Policy(cost, draft_len), session)
+    drafter.call_ms = 0.0
+    draft = drafter.propose([7], room=20)
+    assert session.blocks[-1] == block
+    assert len(draft) <= block - 1
+
+
 def test_runtime_loop_matches_the_torch_reference_loop(qwen3_dflash):
     """Same drafts, same acceptance, step by step, with a full block verified each step."""
     import dflash.runtime.speculative as speculative
