@@ -58,7 +58,7 @@ class DrafterSession:
         self._positions = np.zeros((1, rows), np.int64)
         self._mask = np.ones((rows, rows), np.bool_)  # every row sees every new row (block rows are non-causal)
         self._past = np.zeros((), np.int64)
-        self._bindings: dict[int, ort.IOBinding] = {}
+        self._bindings: dict[tuple[int, int], ort.IOBinding] = {}  # by (context rows, block rows)
 
     def _binding(self, n: int, block: int) -> ort.IOBinding:
         """The binding for calls with N context rows and a block of B rows, made once and reused."""
