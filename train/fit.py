@@ -243,7 +243,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     if d2t is not None:
         lm_head = lm_head[:, d2t].contiguous()
     cos, sin = config.rotary_tables(max(len(r["prompt"]) + len(r["answer"]) for r in rows) + block + 1)
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.01, fused=True)  # fused: its step ~7x faster
+    # fused: one kernel over all parameters, its step ~7x faster than the default's
+    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.01, fused=True)
     checkpoint = out / "checkpoint.pt"
     state = resume_from(checkpoint, "drafter", drafter, optimizer, rng, echo) if resume else None
     state = state or {"step": 0, "seconds": 0.0, "history": []}
