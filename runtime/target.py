@@ -111,19 +111,23 @@ class Target:
             cache[0, :, dst] = cache[0, :, src]
 
     def measure_cost(self, sizes, repeats: int = 3) -> dict[int, float]:
-        """Median ms of one forward of S rows, for each S in `sizes`.  It writes scratch
-        rows into the cache, so call it before a prefill, never mid-generation."""
+        """Median ms of one forward of S rows, for each S in `sizes`.  A session's first calls of
+        a size are slow (ORT plans and allocates per shape), and so is a small call right after a
+        much larger one (int4, one row: 3.0 ms alone, 4.1 right after 25 rows), so an untimed pass
+        goes from the largest size down, then the timed calls from the smallest up.  Measured
+        size by size from a cold start, one row once looked 1.7x dearer than it is and the policy
+        drafted where drafting did not pay.  It writes scratch rows into the cache, so call it
+        before a prefill, never mid-generation."""
         past = min(256, self.capacity - max(sizes))
-        cost = {}
-        for s in sizes:
-            ids, mask = np.full(s, 100), causal_mask(s)
-            times = []
-            for _ in range(repeats):
-                start = time.perf_counter()
-                self.forward(ids, np.arange(past, past + s), mask, past)
-                times.append((time.perf_counter() - start) * 1e3)
-            cost[s] = float(np.median(times))
-        return cost
+
+        def timed(s: int) -> float:
+            start = time.perf_counter()
+            self.forward(np.full(s, 100), np.arange(past, past + s), causal_mask(s), past)
+            return (time.perf_counter() - start) * 1e3
+
+        for s in sorted(sizes, reverse=True):
+            timed(s)
+        return {s: float(np.median([timed(s) for _ in range(repeats)])) for s in sorted(sizes)}
 
     def taps(self, s: int) -> np.ndarray:
         """Tap features [S, T*H] of the last call of S rows."""
