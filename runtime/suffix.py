@@ -22,6 +22,7 @@ KEEP = 64                 # latest occurrences of a suffix that vote on its cont
 DRAFT = 8                 # longest continuation drafted
 END = -1                  # separates answers in the corpus: no continuation runs past it
 _MULT = np.uint64(0x9E3779B97F4A7C15)
+_MULT_INT, _MASK64 = 0x9E3779B97F4A7C15, (1 << 64) - 1
 
 
 def _hash(windows: np.ndarray) -> np.ndarray:
@@ -30,6 +31,15 @@ def _hash(windows: np.ndarray) -> np.ndarray:
     for column in windows.T:
         h = (h ^ column.astype(np.uint64)) * _MULT
     return h
+
+
+def _hash_one(window: list[int]) -> np.uint64:
+    """_hash of one window, in Python integers: on a handful of ids numpy's per-call overhead
+    dominates, and with it a draft's lookups took 68 us instead of 44."""
+    h = 0
+    for token in window:
+        h = ((h ^ token) * _MULT_INT) & _MASK64
+    return np.uint64(h)
 
 
 class SuffixIndex:
@@ -61,7 +71,7 @@ class SuffixIndex:
             if len(history) < n:
                 continue
             tail = np.array(history[-n:], np.int64)
-            key = _hash(tail[None, :])[0]
+            key = _hash_one(history[-n:])
             keys = self.keys[n]
             ends = self.ends[n][np.searchsorted(keys, key, "left"):np.searchsorted(keys, key, "right")]
             ends = ends[(self.tokens[ends[:, None] - n + np.arange(n)] == tail).all(axis=1)]

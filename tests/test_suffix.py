@@ -111,3 +111,11 @@ def test_answers_of_another_target_are_refused(tiny, tmp_path):
     write_answers(tmp_path / "answers", [[1, 2, 60000]])
     with pytest.raises(click.ClickException, match="written by another target"):
         corpus.callback((tmp_path / "answers",), folder)
+
+
+def test_one_window_hashes_as_the_index_hashes_it():
+    from dflash.runtime.suffix import _hash, _hash_one
+
+    windows = np.random.default_rng(0).integers(0, 1 << 17, (200, 8))
+    for n in (2, 3, 8):
+        assert [_hash_one(w[:n].tolist()) for w in windows] == _hash(windows[:, :n]).tolist()
