@@ -3,6 +3,7 @@
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -147,6 +148,15 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     later = train(source, manifest, [tmp_path / "data"], tmp_path / "drafter", tmp_path / "cache", max_steps=30,
                   resume=True, greedy_only=True, **options)  # resumed under the greedy-path labels
     assert later["step"] == 30 and len(later["history"]) == len(first["history"]) + 1
+    # labelled by the target computing as an int4 bundle does: its own cache, other features
+    int4 = train(source, manifest, [tmp_path / "data"], tmp_path / "drafter4", tmp_path / "cache4", max_steps=2,
+                 target_dtype="int4", **options)
+    assert int4["step"] == 2
+    fp32_features, int4_features = (np.load(tmp_path / c / "features.npy") for c in ("cache", "cache4"))
+    assert fp32_features.shape == int4_features.shape and not np.array_equal(fp32_features, int4_features)
+    with pytest.raises(ValueError, match="fp32 or int4"):
+        train(source, manifest, [tmp_path / "data"], tmp_path / "drafter8", tmp_path / "cache8", max_steps=1,
+              target_dtype="int8", **options)
     warm = train(source, manifest, [tmp_path / "data"], tmp_path / "warm", tmp_path / "cache", max_steps=0,
                  init_from=tmp_path / "drafter", **options)  # no step: saves the weights as loaded
     assert warm["step"] == 0
@@ -271,3 +281,28 @@ def test_suffix_corpus_drafts_the_majority_continuation_and_saves_steps():
     answer = [2, 3, 4, 5, 6]
     assert simulate([0], answer, None) == 5  # nothing to copy: one token a step
     assert simulate([0], answer, corpus) < 5
+
+
+def test_the_int4_emulating_target_computes_like_matmul_q4():
+    """Each emulated Linear gives MatMulQ4's numbers (ops/reference.py, bit-exact to the op) up to
+    float summation order, and the model's embedding table stays the fp32 one."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from dflash.ops.reference import matmul_q4, pack_q4
+    from dflash.train.int4_target import emulate_int4
+
+    torch.manual_seed(0)
+    config = LlamaConfig(vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).eval()
+    embed = model.get_input_embeddings().weight.detach().clone()
+    linear = model.model.layers[0].mlp.down_proj  # 96 inputs
+    w = linear.weight.detach().float().t().numpy()
+    emulate_int4(model)
+    a = np.random.default_rng(0).standard_normal((5, 96)).astype(np.float32)
+    with torch.no_grad():
+        got = linear(torch.from_numpy(a)).numpy()
+    want = matmul_q4(a, *pack_q4(w), w.shape[1])
+    assert np.abs(got - want).max() <= 1e-5 * np.abs(want).max()
+    assert not np.allclose(got, a @ w, atol=1e-3)  # and it is not the fp32 product
+    assert torch.equal(model.get_input_embeddings().weight, embed)

@@ -83,8 +83,11 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed):
 @click.option("--greedy-only", is_flag=True,
               help="dflash: learn a block position only where the data before it is the target's greedy "
                    "choice (what a verify accepts), not past a sampled detour")
+@click.option("--target-dtype", type=click.Choice(["fp32", "int4"]), default="fp32", show_default=True,
+              help="dflash: label with the target as it runs in a bundle of this precision (int4: its MatMuls "
+                   "emulate MatMulQ4); give each its own --cache")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
-        mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only):
+        mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
     (see dflash/train/fit.py and eagle3.py)."""
     import torch
@@ -102,6 +105,8 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
 
         if greedy_only:
             raise click.ClickException("--greedy-only is for --arch dflash (an EAGLE-3 head drafts one token a step)")
+        if target_dtype != "fp32":
+            raise click.ClickException("--target-dtype is for --arch dflash so far; drop it for --arch eagle3")
 
         taps = [int(t) for t in head_taps.split(",")] if head_taps else None
         eagle3.train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", taps=taps,
@@ -111,7 +116,7 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
     train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
           seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
-          echo=lambda m: click.echo(m, err=True))
+          target_dtype=target_dtype, echo=lambda m: click.echo(m, err=True))
 
 
 @main.command("eval")

@@ -79,9 +79,10 @@ class LabelCache:
 
     ARRAYS = {"features": np.float16, "soft_ids": np.int32, "soft_p": np.float16}
 
-    def __init__(self, folder: Path, rows, taps, hidden: int, d2t=None):
+    def __init__(self, folder: Path, rows, taps, hidden: int, d2t=None, target_dtype: str = "fp32"):
         self.folder, self.taps, self.d2t = Path(folder), list(taps), d2t
-        kind = hashlib.sha256(json.dumps([self.taps, d2t.tolist() if d2t is not None else []]).encode()).hexdigest()[:16]
+        identity = [self.taps, d2t.tolist() if d2t is not None else []] + ([target_dtype] if target_dtype != "fp32" else [])
+        kind = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
         self.folder.mkdir(parents=True, exist_ok=True)
         self.state_file = self.folder / "state.json"
         state = json.loads(self.state_file.read_text()) if self.state_file.is_file() else {}
@@ -204,10 +205,12 @@ def greedy_path(top_ids, tokens, rows, d2t):
 
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
-          text_tokens=0, init_from=None, greedy_only=False, echo=print) -> dict:
+          text_tokens=0, init_from=None, greedy_only=False, target_dtype="fp32", echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
     `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start);
-    `greedy_only`: learn only labels on the target's greedy path (see greedy_path)."""
+    `greedy_only`: learn only labels on the target's greedy path (see greedy_path);
+    `target_dtype` "int4": features and labels from the target computing as an int4 bundle does
+    (int4_target.py); the drafter still reads the fp32 embedding and lm_head it is exported with."""
     import torch
 
     from dflash.export.dflash import DFlashConfig, DFlashDrafter
@@ -229,8 +232,9 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     if draft_vocab:
         d2t = LabelCache.vocabulary(cache_dir, draft_vocab)
         d2t = draft_vocabulary(rows, draft_vocab, tc.vocab_size) if d2t is None else d2t
-    cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t)
-    cache.build(target, echo)
+    cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t, target_dtype)
+    if cache.done < len(cache.stored):
+        cache.build(labeller(target, target_dtype), echo)
     held = max(1, len(rows) // 20)  # the newest 5% of sequences are held out for the acceptance estimate
     train_ids, held_ids = list(range(len(rows) - held)), list(range(len(rows) - held, len(rows)))
     config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id))
@@ -284,6 +288,19 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     save(drafter, config, d2t, out)
     plot_history(state["history"], out / "training.png")
     return state
+
+
+def labeller(target, target_dtype: str):
+    """The model whose forward gives the cache its features and labels."""
+    if target_dtype == "fp32":
+        return target
+    if target_dtype != "int4":
+        raise ValueError(f"target_dtype {target_dtype!r}: fp32 or int4")
+    import copy
+
+    from .int4_target import emulate_int4
+
+    return emulate_int4(copy.deepcopy(target))  # a copy: the drafter keeps the fp32 embedding and lm_head
 
 
 def warm_start(drafter, folder, echo) -> None:

@@ -1,0 +1,39 @@
+"""A torch target that computes like an int4 bundle, for labelling data the way users run it.
+
+An int4 bundle's MatMuls run on MatMulQ4: 4-bit weights in blocks of 32 along K, and activations
+quantized to int8 per block of 32 (ops/quantized_matmul.h). Here every Linear of a transformers
+model gets the same dequantized weights (`unpack_q4(pack_q4(W))`) and quantizes its input the same
+way in a forward pre-hook. The result differs from the int4 graph only in float summation order:
+its taps differ from the int4 graph's by ~1% where fp32's differ by 10-15% (the default model).
+"""
+
+from __future__ import annotations
+
+
+def quantize_input(module, args):
+    """Forward pre-hook: the input rounded as MatMulQ4 quantizes it (per block of 32, int8)."""
+    import torch
+
+    x = args[0]
+    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
+    amax = blocks.abs().amax(-1, keepdim=True)
+    inv = torch.where(amax > 0, 127.0 / amax.clamp(min=torch.finfo(x.dtype).tiny), torch.zeros_like(amax))
+    q = torch.round(blocks * inv)  # round half to even, as the op does
+    return (q * (amax / 127.0)).reshape(x.shape),
+
+
+def emulate_int4(model):
+    """Give every Linear with a multiple of 32 inputs (what the exporter quantizes) MatMulQ4's
+    weights and input rounding, in place; returns the model. Tied embeddings are untied first:
+    the embedding table stays fp32 in the bundle."""
+    import torch
+
+    from dflash.ops.reference import pack_q4, unpack_q4
+
+    for module in model.modules():
+        if isinstance(module, torch.nn.Linear) and module.in_features % 32 == 0:
+            w = module.weight.detach().float().t().numpy()  # [K, N], as the exported MatMul holds it
+            dequantized = unpack_q4(*pack_q4(w), w.shape[1]).T.copy()
+            module.weight = torch.nn.Parameter(torch.from_numpy(dequantized), requires_grad=False)
+            module.register_forward_pre_hook(quantize_input)
+    return model
