@@ -81,7 +81,8 @@ class LabelCache:
 
     def __init__(self, folder: Path, rows, taps, hidden: int, d2t=None, target_dtype: str = "fp32"):
         self.folder, self.taps, self.d2t = Path(folder), list(taps), d2t
-        identity = [self.taps, d2t.tolist() if d2t is not None else []] + ([target_dtype] if target_dtype != "fp32" else [])
+        identity = [self.taps, d2t.tolist() if d2t is not None else []]
+        identity += [target_dtype] if target_dtype != "fp32" else []  # fp32 caches keep their old kind
         kind = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
         self.folder.mkdir(parents=True, exist_ok=True)
         self.state_file = self.folder / "state.json"
