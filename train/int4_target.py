@@ -9,17 +9,19 @@ its taps differ from the int4 graph's by ~1% where fp32's differ by 10-15% (the 
 
 from __future__ import annotations
 
+import numpy as np
+
 
 def quantize_input(module, args):
-    """Forward pre-hook: the input rounded as MatMulQ4 quantizes it (per block of 32, int8)."""
+    """Forward pre-hook: the input rounded as MatMulQ4 quantizes it (ops/reference.py: per block of
+    32, int8). Labelling runs without gradients, so the round trip through numpy costs little."""
     import torch
 
+    from dflash.ops.reference import quantize_activations
+
     x = args[0]
-    blocks = x.reshape(*x.shape[:-1], x.shape[-1] // 32, 32)
-    amax = blocks.abs().amax(-1, keepdim=True)
-    inv = torch.where(amax > 0, 127.0 / amax.clamp(min=torch.finfo(x.dtype).tiny), torch.zeros_like(amax))
-    q = torch.round(blocks * inv)  # round half to even, as the op does
-    return (q * (amax / 127.0)).reshape(x.shape),
+    q, scale = quantize_activations(x.detach().float().numpy())
+    return torch.from_numpy((q * scale[..., None]).astype(np.float32).reshape(x.shape)),
 
 
 def emulate_int4(model):
