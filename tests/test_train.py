@@ -137,6 +137,22 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     conversation = shards.messages(followup, {r["id"]: r for r in rows}, target.decode)
     assert [m["role"] for m in conversation[-3:]] == ["user", "assistant", "user"]
     assert all(len(r["greedy"]) == len(r["answer"]) for r in rows)
+    # answers from the target computing as an int4 bundle does, in a folder fitted alongside
+    from copy import deepcopy
+
+    from dflash.train.int4_target import emulate_int4
+
+    int4_source = deepcopy(source)
+    emulate_int4(int4_source.model)
+    run(Target(int4_source), tmp_path / "data4", answer_tokens=1, max_new_tokens=16, echo=lambda m: None,
+        prefix="q4r")
+    rows4 = shards.read_all(tmp_path / "data4")
+    assert all(r["id"].startswith("q4r") for r in rows4)
+    assert [r["answer"] for r in rows4] != [r["answer"] for r in rows[: len(rows4)]]
+    both = load_sequences([tmp_path / "data", tmp_path / "data4"], target)
+    assert len(both) == len(load_sequences([tmp_path / "data"], target)) + len(load_sequences([tmp_path / "data4"], target))
+    with pytest.raises(ValueError, match="same id"):
+        load_sequences([tmp_path / "data", tmp_path / "data"], target)
 
     manifest = __import__("json").loads((tmp_path / "bundle" / "dflash.json").read_text())
     sequences = load_sequences([tmp_path / "data"], target)

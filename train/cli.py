@@ -39,7 +39,10 @@ def load_target(bundle):
 @click.option("--max-new-tokens", default=320, show_default=True)
 @click.option("--threads", default=0, help="torch threads (0: all cores)")
 @click.option("--seed", default=0, show_default=True)
-def data(bundle, out, answer_tokens, max_new_tokens, threads, seed):
+@click.option("--target-dtype", type=click.Choice(["fp32", "int4"]), default="fp32", show_default=True,
+              help="answer with the target as it runs in a bundle of this precision (int4: its MatMuls emulate "
+                   "MatMulQ4; its rows' ids start with q4r instead of r); give each its own --out")
+def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype):
     """The target's own sampled answers to self-written, template, grounded and follow-up requests,
     in resumable shards (see dflash/train/data.py)."""
     import torch
@@ -49,8 +52,12 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed):
     if threads:
         torch.set_num_threads(threads)
     _, source = load_target(bundle)
-    run(Target(source), out, answer_tokens, seed, max_new_tokens,
-        echo=lambda m: click.echo(m, err=True))
+    if target_dtype == "int4":
+        from .int4_target import emulate_int4
+
+        emulate_int4(source.model)
+    run(Target(source), out, answer_tokens, seed, max_new_tokens, echo=lambda m: click.echo(m, err=True),
+        prefix="q4r" if target_dtype == "int4" else "r")
 
 
 @main.command()

@@ -23,7 +23,7 @@ MAGPIE_CANDIDATES = 40
 
 
 class Target:
-    """The fp32 target in transformers, with its chat template and end tokens."""
+    """The target in transformers (fp32, or emulating an int4 bundle), with its chat template and end tokens."""
 
     def __init__(self, source):
         self.model, self.tokenizer = source.model, source.tokenizer
@@ -62,7 +62,11 @@ def magpie_requests(target: Target, rng: random.Random, seen: set, seed: int) ->
     return out
 
 
-def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[dict]) -> list[dict]:
+def row_id(prefix: str, rnd: int, i: int) -> str:
+    return f"{prefix}{rnd:05d}-{i:02d}"
+
+
+def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[dict], prefix: str = "r") -> list[dict]:
     """The requests of one round, each with its provenance."""
     rng = random.Random(f"{seed}-{rnd}")
     rows = [{"kind": "chat", "source": "magpie", "messages": [{"role": "user", "content": t}]}
@@ -83,23 +87,24 @@ def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[di
         kind, text = prompts.template_request(rng)
         rows.append({"kind": kind, "source": "template", "messages": [{"role": "user", "content": text}]})
     for i, row in enumerate(rows):
-        row["id"] = f"r{rnd:05d}-{i:02d}"
+        row["id"] = row_id(prefix, rnd, i)
     return rows
 
 
 def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_tokens: int = 320,
-        echo=print) -> None:
-    """Add rounds to `out` until its answers hold `answer_tokens` tokens."""
+        echo=print, prefix: str = "r") -> None:
+    """Add rounds to `out` until its answers hold `answer_tokens` tokens. `prefix` starts every row
+    id, so folders answered by different targets (fp32, int4) can be fitted together."""
     out.mkdir(parents=True, exist_ok=True)
     done = shards.read_all(out)
     by_id = {r["id"]: r for r in done}
     seen = {prompts.dedup_key(r["messages"][0]["content"]) for r in done if r["source"] == "magpie"}
     total = sum(len(r["answer"]) for r in done)
     rnd = len(list(out.glob("shard-*.npz")))
-    previous = [r for r in done if r["id"].startswith(f"r{rnd - 1:05d}-")]
+    previous = [r for r in done if r["id"].startswith(row_id(prefix, rnd - 1, 0)[:-2])]
     start, made = time.perf_counter(), 0
     while total < answer_tokens:
-        rows = plan_round(target, rnd, seed, seen, previous)
+        rows = plan_round(target, rnd, seed, seen, previous, prefix)
         prompts_ids = [target.encode(target.render(shards.messages(r, by_id, target.decode))) for r in rows]
         for row, s in zip(rows, sample(target.model, prompts_ids, max_new_tokens, target.end_ids, target.pad_id,
                                        temperature=0.7, top_p=0.95, seed=seed * 100003 + rnd + 50000)):

@@ -30,6 +30,9 @@ def load_sequences(folders, target) -> list[dict]:
     if not rows:
         raise FileNotFoundError(f"no shards in {', '.join(map(str, folders))}: run `dflash-train data` first")
     by_id = {r["id"]: r for r in rows}
+    if len(by_id) < len(rows):
+        raise ValueError(f"rows with the same id in {', '.join(map(str, folders))}: give each data folder "
+                         "its own target dtype (row ids r... and q4r...), or fit one folder of each kind")
     out = []
     for r in rows:
         if len(r["answer"]) < 2:
