@@ -179,10 +179,15 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     from safetensors.torch import load_file
     saved, loaded = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("drafter", "warm"))
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    # warm-started on other data into a new cache: it keeps the vocabulary its weights learned
+    from dflash.export.dflash import DFlashDrafter
+
+    train(source, manifest, [tmp_path / "data4"], tmp_path / "warm4", tmp_path / "cache_warm4", max_steps=0,
+          init_from=tmp_path / "drafter", **{**options, "text_tokens": 0})
+    assert torch.equal(DFlashDrafter.load(tmp_path / "warm4").d2t, DFlashDrafter.load(tmp_path / "drafter").d2t)
     # a deeper drafter grown from it: the new layer starts as the identity, so the same logits
     train(source, manifest, [tmp_path / "data"], tmp_path / "deeper", tmp_path / "cache", max_steps=0,
           init_from=tmp_path / "drafter", **{**options, "layers": 2})
-    from dflash.export.dflash import DFlashDrafter
     from dflash.train.objective import block_logits
 
     shallow, deep = (DFlashDrafter.load(tmp_path / d) for d in ("drafter", "deeper"))
@@ -210,6 +215,12 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
                  minutes=5, max_steps=0, text_tokens=100, init_from=tmp_path / "head", echo=lambda m: None)
     saved, loaded = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("head", "head2"))
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
+    # warm-started on other data into a new cache: it keeps the vocabulary its weights learned
+    from dflash.export.dflash import DFlashDrafter
+
+    train(source, manifest, [tmp_path / "data4"], tmp_path / "warm4", tmp_path / "cache_warm4", max_steps=0,
+          init_from=tmp_path / "drafter", **{**options, "text_tokens": 0})
+    assert torch.equal(DFlashDrafter.load(tmp_path / "warm4").d2t, DFlashDrafter.load(tmp_path / "drafter").d2t)
     export_dflash(tmp_path / "drafter", tmp_path / "bundle")
     export_eagle3(tmp_path / "head", tmp_path / "bundle")
     model = Model(tmp_path / "bundle")

@@ -235,6 +235,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     d2t = None
     if draft_vocab:
         d2t = LabelCache.vocabulary(cache_dir, draft_vocab)
+        if d2t is None and init_from and not resume:  # a warm start keeps the vocabulary its weights learned
+            d2t = warm_start_vocabulary(init_from, draft_vocab)
         d2t = draft_vocabulary(rows, draft_vocab, tc.vocab_size) if d2t is None else d2t
     cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t, target_dtype)
     if cache.done < len(cache.stored):
@@ -305,6 +307,14 @@ def labeller(target, target_dtype: str):
     from .int4_target import emulate_int4
 
     return emulate_int4(copy.deepcopy(target))  # a copy: the drafter keeps the fp32 embedding and lm_head
+
+
+def warm_start_vocabulary(folder, size: int):
+    """The draft vocabulary of the drafter in `folder`, if it has `size` tokens."""
+    from dflash.export.dflash import DFlashDrafter
+
+    d2t = DFlashDrafter.load(folder).d2t
+    return d2t if d2t is not None and len(d2t) == size else None
 
 
 def warm_start(drafter, folder, echo) -> None:
