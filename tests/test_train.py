@@ -170,6 +170,13 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     assert int4["step"] == 2
     fp32_features, int4_features = (np.load(tmp_path / c / "features.npy") for c in ("cache", "cache4"))
     assert fp32_features.shape == int4_features.shape and not np.array_equal(fp32_features, int4_features)
+    # fp32-labelled rows and int4-written rows labelled by the int4 target, in one fit
+    mixed = train(source, manifest, [tmp_path / "data"], tmp_path / "mixed", tmp_path / "cache", max_steps=3,
+                  int4_data_dirs=[tmp_path / "data4"], **options)
+    assert mixed["step"] == 3
+    int4_answers = np.load(tmp_path / "cache" / "int4" / "features.npy")
+    assert len(int4_answers) == sum(len(r["prompt"]) + len(r["answer"])
+                                    for r in load_sequences([tmp_path / "data4"], target))
     with pytest.raises(ValueError, match="fp32 or int4"):
         train(source, manifest, [tmp_path / "data"], tmp_path / "drafter8", tmp_path / "cache8", max_steps=1,
               target_dtype="int8", **options)

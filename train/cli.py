@@ -93,15 +93,18 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
 @click.option("--target-dtype", type=click.Choice(["fp32", "int4"]), default="fp32", show_default=True,
               help="dflash: label with the target as it runs in a bundle of this precision (int4: its MatMuls "
                    "emulate MatMulQ4); give each its own --cache")
+@click.option("--int4-data", "int4_data_dirs", multiple=True, type=click.Path(exists=True, path_type=Path),
+              help="dflash: also train on answers the int4-emulating target wrote (`data --target-dtype int4`), "
+                   "labelled by that target in CACHE/int4: one drafter for fp32 and int4 bundles")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
-        mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype):
+        mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype, int4_data_dirs):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
     (see dflash/train/fit.py and eagle3.py)."""
     import torch
 
     from .fit import train
 
-    empty = [str(d) for d in data_dirs if not any(Path(d).glob("shard-*.npz"))]
+    empty = [str(d) for d in (*data_dirs, *int4_data_dirs) if not any(Path(d).glob("shard-*.npz"))]
     if empty:
         raise click.ClickException(f"no data shards in {', '.join(empty)}: run `dflash-train data` first")
     if threads:
@@ -112,8 +115,9 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
 
         if greedy_only:
             raise click.ClickException("--greedy-only is for --arch dflash (an EAGLE-3 head drafts one token a step)")
-        if target_dtype != "fp32":
-            raise click.ClickException("--target-dtype is for --arch dflash so far; drop it for --arch eagle3")
+        if target_dtype != "fp32" or int4_data_dirs:
+            raise click.ClickException("--target-dtype and --int4-data are for --arch dflash so far; drop them "
+                                       "for --arch eagle3")
 
         taps = [int(t) for t in head_taps.split(",")] if head_taps else None
         eagle3.train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", taps=taps,
@@ -123,7 +127,7 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
     train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
           seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
-          target_dtype=target_dtype, echo=lambda m: click.echo(m, err=True))
+          target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, echo=lambda m: click.echo(m, err=True))
 
 
 @main.command("eval")

@@ -207,14 +207,35 @@ def greedy_path(top_ids, tokens, rows, d2t):
     return keep
 
 
+class MixedCaches:
+    """Training rows labelled by two targets, each kind in its own LabelCache: rows
+    0..len(first)-1 are the first cache's, the rest the second's."""
+
+    def __init__(self, first: LabelCache, second: LabelCache):
+        self.parts, self.d2t = (first, second), first.d2t
+        self.split = len(first.slot)
+
+    def sequence(self, i: int):
+        return self.parts[0].sequence(i) if i < self.split else self.parts[1].sequence(i - self.split)
+
+
+def held_out_split(n: int, start: int = 0) -> tuple[list[int], list[int]]:
+    """(training, held-out) row ids of rows start..start+n-1: the newest 5% are held out."""
+    held = max(1, n // 20)
+    return list(range(start, start + n - held)), list(range(start + n - held, start + n))
+
+
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
-          text_tokens=0, init_from=None, greedy_only=False, target_dtype="fp32", echo=print) -> dict:
+          text_tokens=0, init_from=None, greedy_only=False, target_dtype="fp32", int4_data_dirs=(),
+          echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
     `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start);
     `greedy_only`: learn only labels on the target's greedy path (see greedy_path);
     `target_dtype` "int4": features and labels from the target computing as an int4 bundle does
-    (int4_target.py); the drafter still reads the fp32 embedding and lm_head it is exported with."""
+    (int4_target.py); the drafter still reads the fp32 embedding and lm_head it is exported with.
+    `int4_data_dirs`: answers the int4-emulating target wrote (`data --target-dtype int4`), labelled
+    by that target in `cache_dir`/int4 and trained on alongside the others (one drafter for both)."""
     import torch
 
     from dflash.export.dflash import DFlashConfig, DFlashDrafter
@@ -241,8 +262,15 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t, target_dtype)
     if cache.done < len(cache.stored):
         cache.build(labeller(target, target_dtype), echo)
-    held = max(1, len(rows) // 20)  # the newest 5% of sequences are held out for the acceptance estimate
-    train_ids, held_ids = list(range(len(rows) - held)), list(range(len(rows) - held, len(rows)))
+    train_ids, held_ids = held_out_split(len(rows))  # for the acceptance estimate
+    if int4_data_dirs:
+        rows4 = load_sequences(int4_data_dirs, tokenizer)
+        cache4 = LabelCache(Path(cache_dir) / "int4", rows4, manifest["taps"], tc.hidden_size, d2t, "int4")
+        if cache4.done < len(cache4.stored):
+            cache4.build(labeller(target, "int4"), echo)
+        train4, held4 = held_out_split(len(rows4), len(rows))
+        rows, cache = rows + rows4, MixedCaches(cache, cache4)
+        train_ids, held_ids = train_ids + train4, held_ids + held4
     config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id))
     drafter = DFlashDrafter(config)
     _init(drafter, seed)
