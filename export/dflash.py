@@ -39,6 +39,7 @@ class DFlashConfig:
     embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     softcap: float | None = None
+    refine: bool = False  # trained with a refining second pass over its own drafts (dflash-train fit --refine)
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -66,7 +67,7 @@ class DFlashConfig:
                    attention_bias=bool(d.get("attention_bias", False)),
                    embedding_scale=float(draft.get("input_embedding_scale", d.get("input_embedding_scale", 1.0))),
                    output_multiplier=float(draft.get("output_multiplier", d.get("output_multiplier", 1.0))),
-                   softcap=float(softcap) if softcap else None, raw=d)
+                   softcap=float(softcap) if softcap else None, refine=bool(draft.get("refine", False)), raw=d)
 
     def rotary_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [max_len, D/2], from transformers' Qwen3 rotary module (any rope scaling)."""

@@ -8,7 +8,9 @@ candidates under a node budget the same rule sets.  A call serves only the block
 policy may use (one past its expected chain): the drafter was trained on blocks of 16, but where
 verify rows are dear (int4 targets) chains are short, and a block of 3-4 rows costs about half
 a full one while its first positions are drafted nearly as well (the block rows see each other,
-so the drafts can differ slightly from a full block's).  Its cache holds context rows only:
+so the drafts can differ slightly from a full block's).  A drafter trained to refine
+(`dflash-train fit --refine`) gets a second call over the same block with the first call's
+drafts in place of the masks, and drafts from that.  Its cache holds context rows only:
 each call writes the pending context rows (those of the last step's accepted tokens) after
 the ones already there, and the block rows after those are scratch.
 """
@@ -40,6 +42,7 @@ class DrafterSession:
         self.cores = set(cores) if cores else None
         self.session = make_session(bundle.graph_path("drafter"), bundle, threads, cores)
         self.block, self.mask_id, self.capacity = info["block_size"], info["mask_token_id"], info["capacity"]
+        self.refine = bool(info.get("refine", False))  # trained with a refining second pass
         kv = info["kv"]
         shape = (1, kv["kv_heads"], self.capacity, kv["head_dim"])
         self.caches = [np.zeros(shape, np.float32) for _ in range(2 * kv["layers"])]
@@ -81,25 +84,27 @@ class DrafterSession:
             self._bindings[(n, block)] = binding
         return binding
 
-    def run(self, context: np.ndarray, anchor: int, past: int, block: int | None = None
-            ) -> tuple[np.ndarray, np.ndarray]:
+    def run(self, context: np.ndarray, anchor: int, past: int, block: int | None = None,
+            filled: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
         """Context rows [N, T*H] at positions past..past+N-1, the anchor right after them:
         (log-probs, ids) [B-1, K] of the likeliest tokens at block positions 1..B-1, for a block
-        of B = `block` rows (default and at most: the trained block size; at least MIN_BLOCK)."""
+        of B = `block` rows (default and at most: the trained block size; at least MIN_BLOCK).
+        `filled`: token ids for block rows 1..B-1 instead of the mask (a refining pass)."""
         block = self.block if block is None else min(max(block, self.MIN_BLOCK), self.block)
         context = np.asarray(context, np.float32).reshape(-1, self.width)
         while len(context) > self.MAX_CONTEXT:  # a long context: its leading rows only fill the cache,
             # and the context's cache rows do not depend on the block, so the smallest one serves
             self._run(context[: self.MAX_CONTEXT], anchor, past, self.MIN_BLOCK)
             context, past = context[self.MAX_CONTEXT:], past + self.MAX_CONTEXT
-        self._run(context, anchor, past, block)
+        self._run(context, anchor, past, block, filled)
         return self.top_logprobs[0, : block - 1], self.top_ids[0, : block - 1]
 
-    def _run(self, context: np.ndarray, anchor: int, past: int, block: int) -> None:
+    def _run(self, context: np.ndarray, anchor: int, past: int, block: int, filled=None) -> None:
         n = len(context)
         binding = self._binding(n, block)
         self._context[0, :n] = context
         self._block_ids[0, 0] = anchor
+        self._block_ids[0, 1:block] = self.mask_id if filled is None else filled[: block - 1]
         self._positions[0, : n + block] = np.arange(past, past + n + block)
         self._past[...] = past
         run_pinned(self.session, binding, self.cores)
@@ -138,6 +143,9 @@ class DFlashDrafter(Drafter):
                                f"for {len(history) - 1} committed tokens")
         start = time.perf_counter()
         logprobs, ids = self.session.run(context, history[-1], self.past, block=positions + 1)
+        if self.session.refine:  # the second pass: the same block holding the first pass's drafts
+            logprobs, ids = self.session.run(context[:0], history[-1], len(history) - 1, block=positions + 1,
+                                             filled=ids[:, 0].copy())
         self.call_ms += 0.1 * ((time.perf_counter() - start) * 1e3 - self.call_ms)
         self.past, self.pending = len(history) - 1, []
         if self.tree:

@@ -94,20 +94,26 @@ def test_ort_drafter_equals_torch_reference(which, request):
         top = torch.log_softmax(expected, -1).topk(session.top_ids.shape[-1], -1)
         assert np.abs(logprobs - top.values.numpy()).max() <= 1e-4
         past += n
+        if n == 3:  # a refining pass: no new context, the block's rows hold drafts instead of masks
+            drafts = rng.integers(0, config.vocab_size, block - 1)
+            session.run(features[:0], anchor, past, block=asked, filled=drafts)
+            expected = reference.step(torch.zeros(0, width), [anchor] + drafts.tolist(), past)
+            assert np.abs(session.logits[0, : block - 1] - expected.numpy()).max() <= 1e-4
 
 
 class BlockRecorder:
     """A stand-in drafter session that records the block each call asks for."""
 
-    block, width, columns = BLOCK, 4, slice(None)
+    block, width, columns, refine = BLOCK, 4, slice(None), False
 
     def __init__(self):
-        self.blocks = []
+        self.blocks, self.calls = [], []
 
-    def run(self, context, anchor, past, block=None):
+    def run(self, context, anchor, past, block=None, filled=None):
         self.blocks.append(block)
+        self.calls.append((len(context), past, None if filled is None else list(filled)))
         rows = (block or self.block) - 1
-        return np.log(np.full((rows, 2), 0.5, np.float32)), np.ones((rows, 2), np.int64)
+        return np.log(np.full((rows, 2), 0.5, np.float32)), np.full((rows, 2), len(self.calls), np.int64)
 
 
 @pytest.mark.parametrize("draft_len, block", [(None, 4), (5, 6)])
@@ -124,6 +130,22 @@ def test_a_call_serves_only_the_block_positions_the_policy_may_use(draft_len, bl
     draft = drafter.propose([7], room=20)
     assert session.blocks[-1] == block
     assert len(draft) <= block - 1
+
+
+def test_a_refining_drafter_drafts_from_a_second_call_over_its_first_drafts():
+    from dflash.runtime.dflash import DFlashDrafter
+    from dflash.runtime.policy import Policy, VerifyCost
+
+    session = BlockRecorder()
+    session.refine = True
+    drafter = DFlashDrafter(Policy(VerifyCost({1: 1.0, 25: 1.0}), 3), session)
+    session.calls.clear()
+    drafter.add_context(np.zeros((4, 4), np.float32))
+    draft = drafter.propose([5, 6, 7, 8, 9], room=20)
+    (rows, past, filled), (rows2, past2, filled2) = session.calls
+    assert (rows, past, filled) == (4, 0, None)  # the first call: the new context and a masked block
+    assert (rows2, past2) == (0, 4) and filled2 == [1] * (session.blocks[-1] - 1)  # then its drafts in the block
+    assert draft.tokens == [2, 2, 2]  # drafted from the second call
 
 
 def test_runtime_loop_matches_the_torch_reference_loop(qwen3_dflash):

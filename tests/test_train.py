@@ -222,18 +222,21 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
                  minutes=5, max_steps=0, text_tokens=100, init_from=tmp_path / "head", echo=lambda m: None)
     saved, loaded = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("head", "head2"))
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
-    # warm-started on other data into a new cache: it keeps the vocabulary its weights learned
-    from dflash.export.dflash import DFlashDrafter
-
-    train(source, manifest, [tmp_path / "data4"], tmp_path / "warm4", tmp_path / "cache_warm4", max_steps=0,
-          init_from=tmp_path / "drafter", **{**options, "text_tokens": 0})
-    assert torch.equal(DFlashDrafter.load(tmp_path / "warm4").d2t, DFlashDrafter.load(tmp_path / "drafter").d2t)
     export_dflash(tmp_path / "drafter", tmp_path / "bundle")
     export_eagle3(tmp_path / "head", tmp_path / "bundle")
     model = Model(tmp_path / "bundle")
     ids = list(range(4, 70, 3))
     plain = model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True)
     for drafter in ("dflash", "dflash-tree", "eagle3", "eagle3-tree"):
+        assert model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, drafter=drafter).tokens == plain.tokens
+    # a drafter that refines its drafts in a second pass, through the runtime's two calls
+    refined = train(source, manifest, [tmp_path / "data"], tmp_path / "refined", tmp_path / "cache", max_steps=2,
+                    refine=True, init_from=tmp_path / "drafter", **options)
+    assert refined["step"] == 2 and DFlashDrafter.load(tmp_path / "refined").config.refine
+    export_dflash(tmp_path / "refined", tmp_path / "bundle")
+    model = Model(tmp_path / "bundle")
+    assert model.bundle.manifest["dflash"]["refine"]
+    for drafter in ("dflash", "dflash-tree", "dflash-hybrid"):
         assert model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, drafter=drafter).tokens == plain.tokens
 
 

@@ -96,8 +96,12 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
 @click.option("--int4-data", "int4_data_dirs", multiple=True, type=click.Path(exists=True, path_type=Path),
               help="dflash: also train on answers the int4-emulating target wrote (`data --target-dtype int4`), "
                    "labelled by that target in CACHE/int4: one drafter for fp32 and int4 bundles")
+@click.option("--refine", is_flag=True,
+              help="dflash: also learn a second pass over the block with the first pass's drafts in place of "
+                   "the masks (the runtime then drafts in two calls; see dflash/train/objective.py)")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
-        mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype, int4_data_dirs):
+        mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype, int4_data_dirs,
+        refine):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
     (see dflash/train/fit.py and eagle3.py)."""
     import torch
@@ -115,8 +119,8 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
 
         if greedy_only:
             raise click.ClickException("--greedy-only is for --arch dflash (an EAGLE-3 head drafts one token a step)")
-        if target_dtype != "fp32" or int4_data_dirs:
-            raise click.ClickException("--target-dtype and --int4-data are for --arch dflash so far; drop them "
+        if target_dtype != "fp32" or int4_data_dirs or refine:
+            raise click.ClickException("--target-dtype, --int4-data and --refine are for --arch dflash; drop them "
                                        "for --arch eagle3")
 
         taps = [int(t) for t in head_taps.split(",")] if head_taps else None
@@ -127,7 +131,8 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
     train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
           seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
-          target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, echo=lambda m: click.echo(m, err=True))
+          target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, refine=refine,
+          echo=lambda m: click.echo(m, err=True))
 
 
 @main.command("eval")

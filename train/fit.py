@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 
 from . import shards, texts
-from .objective import block_logits, label_rows, position_weights, sample_anchors, soft_loss
+from .objective import block_logits, first_pass_drafts, label_rows, position_weights, sample_anchors, soft_loss
 
 SOFT_K = 16  # soft labels kept per position: the target's 16 most likely draft-vocabulary tokens
 
@@ -228,14 +228,15 @@ def held_out_split(n: int, start: int = 0) -> tuple[list[int], list[int]]:
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
           text_tokens=0, init_from=None, greedy_only=False, target_dtype="fp32", int4_data_dirs=(),
-          echo=print) -> dict:
+          refine=False, echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
     `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start);
     `greedy_only`: learn only labels on the target's greedy path (see greedy_path);
     `target_dtype` "int4": features and labels from the target computing as an int4 bundle does
     (int4_target.py); the drafter still reads the fp32 embedding and lm_head it is exported with.
     `int4_data_dirs`: answers the int4-emulating target wrote (`data --target-dtype int4`), labelled
-    by that target in `cache_dir`/int4 and trained on alongside the others (one drafter for both)."""
+    by that target in `cache_dir`/int4 and trained on alongside the others (one drafter for both).
+    `refine`: also learn the refining second pass (objective.py); each step costs two passes."""
     import torch
 
     from dflash.export.dflash import DFlashConfig, DFlashDrafter
@@ -271,7 +272,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         train4, held4 = held_out_split(len(rows4), len(rows))
         rows, cache = rows + rows4, MixedCaches(cache, cache4)
         train_ids, held_ids = train_ids + train4, held_ids + held4
-    config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id))
+    config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id, refine))
     drafter = DFlashDrafter(config)
     _init(drafter, seed)
     if init_from and not resume:
@@ -299,10 +300,14 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(lr, state, budget)
         features = cache.sequence(i)[0]
+        label_ids, label_p, valid = block_labels(cache, i, picked, block, tokens if greedy_only else None)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin)
-        label_ids, label_p, valid = block_labels(cache, i, picked, block, tokens if greedy_only else None)
-        loss = soft_loss(logits, label_ids, label_p, valid, weights)
+            loss = soft_loss(logits, label_ids, label_p, valid, weights)
+            if refine:
+                refined = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin,
+                                       filled=first_pass_drafts(logits, d2t))
+                loss = loss + soft_loss(refined, label_ids, label_p, valid, weights)
         optimizer.zero_grad()
         loss.backward()
         torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
@@ -418,7 +423,7 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _zlab_config(tc, manifest: dict, layers: int, block: int, mask_token_id: int) -> dict:
+def _zlab_config(tc, manifest: dict, layers: int, block: int, mask_token_id: int, refine: bool = False) -> dict:
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": tc.hidden_size,
             "num_hidden_layers": layers, "num_attention_heads": tc.num_attention_heads,
@@ -429,7 +434,8 @@ def _zlab_config(tc, manifest: dict, layers: int, block: int, mask_token_id: int
             "max_position_embeddings": tc.max_position_embeddings, "vocab_size": tc.vocab_size,
             "block_size": block, "num_target_layers": tc.num_hidden_layers, "hidden_act": "silu",
             "attention_bias": False, "tie_word_embeddings": False,
-            "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": manifest["taps"]}}
+            "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": manifest["taps"],
+                              **({"refine": True} if refine else {})}}
 
 
 def _init(drafter, seed: int) -> None:
@@ -455,7 +461,12 @@ def held_out_tau(drafter, rows, cache: LabelCache, held_ids, embed, lm_head, cos
         for i in held_ids:
             tokens = torch.tensor(rows[i]["prompt"] + rows[i]["answer"])
             picked = sample_anchors(len(rows[i]["prompt"]), len(tokens), per_sequence, rng)
-            drafts = block_logits(drafter, cache.sequence(i)[0], tokens, picked, embed, lm_head, cos, sin).argmax(-1)
+            features = cache.sequence(i)[0]
+            logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin)
+            if drafter.config.refine:  # the drafts the runtime verifies are the second pass's
+                logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin,
+                                      filled=first_pass_drafts(logits, cache.d2t))
+            drafts = logits.argmax(-1)
             label_ids, _, valid = block_labels(cache, i, picked, block)
             match = (drafts == label_ids[..., 0]) & (valid > 0)
             accepted += match.int().cumprod(-1).sum(-1).tolist()

@@ -4,6 +4,10 @@ Random anchors inside the answers; each anchor opens a block [anchor, MASK x (B-
 anchor's positions, which sees the target's tap features of every token before the anchor
 and its own rows (both directions), never another block; position k of the block learns
 the target's distribution at token anchor+k, weighted exp(-(k-1)/gamma).
+
+A drafter trained to refine (`fit --refine`) also learns a second pass whose block rows hold the
+first pass's drafts (the argmax at each position, as the runtime drafts them) in place of the masks:
+position k then sees the drafts before it, which are right whenever a verify reaches k.
 """
 
 from __future__ import annotations
@@ -41,8 +45,10 @@ def _rotate(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def block_logits(drafter, features, tokens, anchors, embed, lm_head, cos, sin):
-    """Logits [n_blocks, B-1, V'] of every block for one sequence (plain torch, differentiable)."""
+def block_logits(drafter, features, tokens, anchors, embed, lm_head, cos, sin, filled=None):
+    """Logits [n_blocks, B-1, V'] of every block for one sequence (plain torch, differentiable).
+    `filled` [n_blocks, B-1] (target token ids): a refining pass, whose block rows 1..B-1 hold a
+    first pass's drafts instead of the mask token."""
     import torch
 
     c = drafter.config
@@ -50,6 +56,8 @@ def block_logits(drafter, features, tokens, anchors, embed, lm_head, cos, sin):
     ctx = _rms(drafter.fc(features), drafter.hidden_norm.weight, c.eps)
     block_ids = torch.full((len(anchors), b), c.mask_token_id)
     block_ids[:, 0] = tokens[torch.tensor(anchors)]
+    if filled is not None:
+        block_ids[:, 1:] = filled
     x = embed[block_ids.view(-1)] * c.embedding_scale
     block_pos = (torch.tensor(anchors)[:, None] + torch.arange(b)[None, :]).view(-1)
     positions = torch.cat([torch.arange(length), block_pos])
@@ -72,6 +80,12 @@ def block_logits(drafter, features, tokens, anchors, embed, lm_head, cos, sin):
         x = x + layer.mlp(_rms(x, layer.post_attention_layernorm.weight, c.eps))
     hidden = _rms(x.view(len(anchors), b, -1)[:, 1:], drafter.norm.weight, c.eps)
     return hidden @ lm_head * c.output_multiplier
+
+
+def first_pass_drafts(logits, d2t=None):
+    """The first pass's argmax at each block position, as target token ids (no gradient)."""
+    drafts = logits.detach().argmax(-1)
+    return drafts if d2t is None else d2t[drafts]
 
 
 def sample_anchors(answer_start: int, length: int, count: int, rng: random.Random) -> list[int]:
