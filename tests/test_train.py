@@ -51,6 +51,19 @@ def test_greedy_path_keeps_a_position_only_while_the_data_before_it_is_the_argma
     assert keep[:, 0].all() and not keep.all()
 
 
+def test_int4_share_sets_the_fraction_of_steps_on_the_int4_answers():
+    import random
+
+    from dflash.train.fit import draw_row
+
+    pools, rng = [[0, 1, 2], [10, 11]], random.Random(0)
+    assert all(draw_row(pools, 1.0, rng) >= 10 for _ in range(50))
+    assert all(draw_row(pools, 0.0, rng) < 10 for _ in range(50))
+    share = sum(draw_row(pools, 0.3, rng) >= 10 for _ in range(4000)) / 4000
+    assert 0.27 < share < 0.33
+    assert {draw_row([[0, 1, 2]], None, rng) for _ in range(50)} == {0, 1, 2}  # one pool: no share
+
+
 def test_a_paused_step_counts_only_up_to_the_cap_against_the_budget():
     import time
 

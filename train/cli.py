@@ -96,12 +96,14 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
 @click.option("--int4-data", "int4_data_dirs", multiple=True, type=click.Path(exists=True, path_type=Path),
               help="dflash: also train on answers the int4-emulating target wrote (`data --target-dtype int4`), "
                    "labelled by that target in CACHE/int4: one drafter for fp32 and int4 bundles")
+@click.option("--int4-share", type=click.FloatRange(0, 1),
+              help="with --int4-data: the fraction of steps on those answers (default: by row count)")
 @click.option("--refine", is_flag=True,
               help="dflash: also learn a second pass over the block with the first pass's drafts in place of "
                    "the masks (the runtime then drafts in two calls; see dflash/train/objective.py)")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
         mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype, int4_data_dirs,
-        refine):
+        int4_share, refine):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
     (see dflash/train/fit.py and eagle3.py)."""
     import torch
@@ -131,7 +133,7 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
     train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
           seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
-          target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, refine=refine,
+          target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, int4_share=int4_share, refine=refine,
           echo=lambda m: click.echo(m, err=True))
 
 

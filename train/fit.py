@@ -219,6 +219,13 @@ class MixedCaches:
         return self.parts[0].sequence(i) if i < self.split else self.parts[1].sequence(i - self.split)
 
 
+def draw_row(pools, int4_share, rng) -> int:
+    """A training row: from the second pool (the int4 answers) with probability `int4_share`."""
+    if len(pools) > 1 and rng.random() < int4_share:
+        return rng.choice(pools[1])
+    return rng.choice(pools[0])
+
+
 def held_out_split(n: int, start: int = 0) -> tuple[list[int], list[int]]:
     """(training, held-out) row ids of rows start..start+n-1: the newest 5% are held out."""
     held = max(1, n // 20)
@@ -228,14 +235,15 @@ def held_out_split(n: int, start: int = 0) -> tuple[list[int], list[int]]:
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
           text_tokens=0, init_from=None, greedy_only=False, target_dtype="fp32", int4_data_dirs=(),
-          refine=False, echo=print) -> dict:
+          int4_share=None, refine=False, echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
     `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start);
     `greedy_only`: learn only labels on the target's greedy path (see greedy_path);
     `target_dtype` "int4": features and labels from the target computing as an int4 bundle does
     (int4_target.py); the drafter still reads the fp32 embedding and lm_head it is exported with.
     `int4_data_dirs`: answers the int4-emulating target wrote (`data --target-dtype int4`), labelled
-    by that target in `cache_dir`/int4 and trained on alongside the others (one drafter for both).
+    by that target in `cache_dir`/int4 and trained on alongside the others (one drafter for both);
+    `int4_share`: the fraction of steps that draw one of those rows (default: by row count).
     `refine`: also learn the refining second pass (objective.py); each step costs two passes."""
     import torch
 
@@ -264,6 +272,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     if cache.done < len(cache.stored):
         cache.build(labeller(target, target_dtype), echo)
     train_ids, held_ids = held_out_split(len(rows))  # for the acceptance estimate
+    pools = [train_ids]  # training rows by kind; a step draws a kind, then a row of it
     if int4_data_dirs:
         rows4 = load_sequences(int4_data_dirs, tokenizer)
         cache4 = LabelCache(Path(cache_dir) / "int4", rows4, manifest["taps"], tc.hidden_size, d2t, "int4")
@@ -271,7 +280,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
             cache4.build(labeller(target, "int4"), echo)
         train4, held4 = held_out_split(len(rows4), len(rows))
         rows, cache = rows + rows4, MixedCaches(cache, cache4)
-        train_ids, held_ids = train_ids + train4, held_ids + held4
+        held_ids = held_ids + held4
+        pools = [train_ids, train4] if int4_share is not None else [train_ids + train4]
     config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id, refine))
     drafter = DFlashDrafter(config)
     _init(drafter, seed)
@@ -294,7 +304,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     last_eval = time.perf_counter()
     while state["seconds"] < budget and (max_steps is None or state["step"] < max_steps):
         start = time.perf_counter()
-        i = rng.choice(train_ids)
+        i = draw_row(pools, int4_share, rng)
         tokens = torch.tensor(rows[i]["prompt"] + rows[i]["answer"])
         picked = sample_anchors(len(rows[i]["prompt"]), len(tokens), anchors, rng)
         for group in optimizer.param_groups:
