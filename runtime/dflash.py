@@ -120,7 +120,7 @@ class DFlashDrafter(Drafter):
         self.confidence: list[float] = []
         self.begin()
         start = time.perf_counter()
-        session.run(np.zeros((1, session.width), np.float32), 0, 0)
+        self._draft(np.zeros((1, session.width), np.float32), 0, 0, session.block)
         self.call_ms = (time.perf_counter() - start) * 1e3
 
     def begin(self) -> None:
@@ -142,15 +142,21 @@ class DFlashDrafter(Drafter):
             raise RuntimeError(f"drafter context out of step: {self.past} + {len(context)} rows "
                                f"for {len(history) - 1} committed tokens")
         start = time.perf_counter()
-        logprobs, ids = self.session.run(context, history[-1], self.past, block=positions + 1)
-        if self.session.refine:  # the second pass: the same block holding the first pass's drafts
-            logprobs, ids = self.session.run(context[:0], history[-1], len(history) - 1, block=positions + 1,
-                                             filled=ids[:, 0].copy())
+        logprobs, ids = self._draft(context, history[-1], self.past, positions + 1)
         self.call_ms += 0.1 * ((time.perf_counter() - start) * 1e3 - self.call_ms)
         self.past, self.pending = len(history) - 1, []
         if self.tree:
             return self._tree(logprobs[:limit], ids[:limit])
         return self._chain(logprobs[:limit], ids[:limit])
+
+    def _draft(self, context: np.ndarray, anchor: int, past: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """The drafter's (log-probs, ids) for a block: one call, and for a drafter trained to
+        refine a second one over the same block holding the first call's drafts."""
+        logprobs, ids = self.session.run(context, anchor, past, block=block)
+        if self.session.refine:
+            logprobs, ids = self.session.run(context[:0], anchor, past + len(context), block=block,
+                                             filled=ids[:, 0].copy())
+        return logprobs, ids
 
     def _chain(self, logprobs: np.ndarray, ids: np.ndarray) -> Draft:
         """The argmax tokens, as many as maximise expected tokens per verify millisecond."""

@@ -62,8 +62,9 @@ def magpie_requests(target: Target, rng: random.Random, seen: set, seed: int) ->
     return out
 
 
-def row_id(prefix: str, rnd: int, i: int) -> str:
-    return f"{prefix}{rnd:05d}-{i:02d}"
+def round_id(prefix: str, rnd: int) -> str:
+    """What every row id of a round starts with."""
+    return f"{prefix}{rnd:05d}-"
 
 
 def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[dict], prefix: str = "r") -> list[dict]:
@@ -87,7 +88,7 @@ def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[di
         kind, text = prompts.template_request(rng)
         rows.append({"kind": kind, "source": "template", "messages": [{"role": "user", "content": text}]})
     for i, row in enumerate(rows):
-        row["id"] = row_id(prefix, rnd, i)
+        row["id"] = f"{round_id(prefix, rnd)}{i:02d}"
     return rows
 
 
@@ -101,7 +102,7 @@ def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_to
     seen = {prompts.dedup_key(r["messages"][0]["content"]) for r in done if r["source"] == "magpie"}
     total = sum(len(r["answer"]) for r in done)
     rnd = len(list(out.glob("shard-*.npz")))
-    previous = [r for r in done if r["id"].startswith(row_id(prefix, rnd - 1, 0)[:-2])]
+    previous = [r for r in done if r["id"].startswith(round_id(prefix, rnd - 1))]
     start, made = time.perf_counter(), 0
     while total < answer_tokens:
         rows = plan_round(target, rnd, seed, seen, previous, prefix)
