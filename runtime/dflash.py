@@ -25,7 +25,7 @@ import onnxruntime as ort
 
 from .bundle import Bundle
 from .drafters import Calibration, Drafter
-from .policy import MAX_DRAFT, Policy
+from .policy import ALONE, MAX_DRAFT, Beside, Policy
 from .session import make_session, run_pinned
 from .speculative import Draft
 
@@ -129,10 +129,11 @@ class DFlashDrafter(Drafter):
     def add_context(self, rows: np.ndarray) -> None:
         self.pending.append(np.asarray(rows, np.float32)[:, self.session.columns])
 
-    def propose(self, history: list[int], room: int) -> Draft:
+    def propose(self, history: list[int], room: int, beside: Beside = ALONE) -> Draft:
+        """`beside`: the branch already in the verify that this draft joins (the hybrid's copy)."""
         self.main, self.confidence = [], []
         limit = min(room, self.session.block - 1, MAX_DRAFT)
-        planned = self.policy.chain_length(self.acceptance, 0.0, limit, fixed_ms=self.call_ms)
+        planned = self.policy.chain_length(self.acceptance, 0.0, limit, fixed_ms=self.call_ms, beside=beside)
         if planned == 0:
             return Draft()  # the context waits in `pending` for the next call
         # Positions to draft: the planned chain, and one more where confident drafts may go on.
@@ -146,8 +147,8 @@ class DFlashDrafter(Drafter):
         self.call_ms += 0.1 * ((time.perf_counter() - start) * 1e3 - self.call_ms)
         self.past, self.pending = len(history) - 1, []
         if self.tree:
-            return self._tree(logprobs[:limit], ids[:limit])
-        return self._chain(logprobs[:limit], ids[:limit])
+            return self._tree(logprobs[:limit], ids[:limit], min(room, MAX_DRAFT), beside)
+        return self._chain(logprobs[:limit], ids[:limit], beside)
 
     def _draft(self, context: np.ndarray, anchor: int, past: int, block: int) -> tuple[np.ndarray, np.ndarray]:
         """The drafter's (log-probs, ids) for a block: one call, and for a drafter trained to
@@ -158,7 +159,7 @@ class DFlashDrafter(Drafter):
                                              filled=ids[:, 0].copy())
         return logprobs, ids
 
-    def _chain(self, logprobs: np.ndarray, ids: np.ndarray) -> Draft:
+    def _chain(self, logprobs: np.ndarray, ids: np.ndarray, beside: Beside = ALONE) -> Draft:
         """The argmax tokens, as many as maximise expected tokens per verify millisecond."""
         self.confidence = np.exp(logprobs[:, 0]).tolist()
         reach = np.cumprod([self.calibration(p) for p in self.confidence])
@@ -166,12 +167,12 @@ class DFlashDrafter(Drafter):
             k = min(self.policy.fixed, len(reach))
         else:
             k_all = np.arange(len(reach) + 1)
-            gained = 1 + np.concatenate(([0.0], np.cumsum(reach)))
-            k = int(np.argmax(gained / self.policy.cost.ms[k_all + 1]))
+            gained = beside.tokens + beside.share * np.concatenate(([0.0], np.cumsum(reach)))
+            k = int(np.argmax(gained / self.policy.cost.ms[np.minimum(k_all + beside.rows, MAX_DRAFT + 1)]))
         self.main = list(range(k))
         return Draft.chain(ids[:k, 0].tolist())
 
-    def _tree(self, logprobs: np.ndarray, ids: np.ndarray) -> Draft:
+    def _tree(self, logprobs: np.ndarray, ids: np.ndarray, room: int, beside: Beside = ALONE) -> Draft:
         """DDTree: best-first over the per-position candidates.  A node's value is the chance
         the target walks to it: the calibrated probabilities along its path multiplied.
         Nodes join in value order (so parents precede children) while each raises the
@@ -179,14 +180,14 @@ class DFlashDrafter(Drafter):
         probs = np.exp(logprobs)
         self.confidence = probs[:, 0].tolist()
         fixed = self.policy.fixed
-        budget = min(fixed if fixed is not None else MAX_DRAFT, MAX_DRAFT)
-        draft, expected = Draft(), 1.0
-        frontier = [(-self.calibration(probs[0, r]), 0, r, -1, (r == 0)) for r in range(ids.shape[1])]
+        budget = min(fixed if fixed is not None else room, room)  # room: nodes that fit in the verify
+        draft, expected = Draft(), beside.tokens
+        frontier = [(-beside.share * self.calibration(probs[0, r]), 0, r, -1, (r == 0)) for r in range(ids.shape[1])]
         heapq.heapify(frontier)
         while frontier and len(draft) < budget:
             value, depth, rank, parent, on_main = heapq.heappop(frontier)
             value = -value
-            rows = len(draft) + 1
+            rows = len(draft) + beside.rows
             if fixed is None:
                 rate = expected / self.policy.cost(rows)
                 if value <= (self.policy.cost(rows + 1) - self.policy.cost(rows)) * rate:

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from .policy import MAX_DRAFT, Acceptance, Policy
+from .policy import MAX_DRAFT, Acceptance, Beside, Policy
 from .speculative import Draft, accepted_along
 from .suffix import SuffixIndex
 
@@ -233,7 +233,12 @@ class ModelDrafter(Drafter):
 class HybridDrafter(Drafter):
     """One verify over a trained drafter's candidates (DFlash or EAGLE-3) and, when the text so far
     repeats itself or the corpus of earlier answers continues it, the lookup continuation as its
-    own branch (merged where the two agree), so copied stretches and new text are both covered."""
+    own branch (merged where the two agree), so copied stretches and new text are both covered.
+
+    The copy is planned first: it costs nothing to propose, and where it continues a long match it
+    is usually right.  The drafter then drafts only what its branch adds to the copy's: the target
+    can take the drafter's branch only where the copy's first token is wrong, so where the copy is
+    reliable and verify rows are dear (int4) the drafter is not called at all."""
 
     wants_taps = True
     LOOKUP_MIN_MATCH = 2  # a one-token match continues correctly too rarely to pay its rows
@@ -250,11 +255,12 @@ class HybridDrafter(Drafter):
         self.drafter.add_context(rows)
 
     def propose(self, history: list[int], room: int) -> Draft:
-        draft = self.drafter.propose(history, room)
-        self.main = self.drafter.main
-        copied = self.lookup.propose(history, room - len(draft))
+        room = min(room, MAX_DRAFT)
+        copied = self.lookup.propose(history, room)
         if not self._lookup_branch():
-            return draft
+            copied = Draft()
+        draft = self.drafter.propose(history, room - len(copied), self._beside(len(copied)))
+        self.main = self.drafter.main
         children = {(p, t): node for node, (t, p) in enumerate(zip(draft.tokens, draft.parents))}
         parent, self.copied = -1, []
         for token in copied.tokens:  # follow the drafter's tree while it agrees, then branch off
@@ -271,6 +277,14 @@ class HybridDrafter(Drafter):
         self.drafter.observe(draft, rows, draft_ms, verify_ms)
         if self._lookup_branch() and self.copied:
             self.lookup.by_source[self.lookup.source].observe(len(self.copied), accepted_along(rows, self.copied))
+
+    def _beside(self, copied: int) -> Beside:
+        """What a copy of `copied` tokens holds for the drafter's branch to add to."""
+        if not copied:
+            return Beside()
+        acceptance = self.lookup.by_source[self.lookup.source]
+        return Beside(rows=1 + copied, tokens=1 + float(acceptance.reach(copied).sum()),
+                      share=1 - float(acceptance.rates()[0]))
 
     def _lookup_branch(self) -> bool:
         """Whether the last lookup draft earns its rows: a match of 2+ tokens, or the corpus's."""

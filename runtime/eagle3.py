@@ -21,7 +21,7 @@ import onnxruntime as ort
 
 from .bundle import Bundle
 from .drafters import Calibration, Drafter
-from .policy import MAX_DRAFT, Policy
+from .policy import ALONE, MAX_DRAFT, Beside, Policy
 from .session import make_session, run_pinned
 from .speculative import Draft
 
@@ -141,10 +141,12 @@ class Eagle3Drafter(Drafter):
         self.past, self.pending = len(history) - 1, []
         return logprobs[-1], ids[-1], hidden[-1]
 
-    def propose(self, history: list[int], room: int) -> Draft:
+    def propose(self, history: list[int], room: int, beside: Beside = ALONE) -> Draft:
+        """`beside`: the branch already in the verify that this draft joins (the hybrid's copy);
+        it decides whether to draft at all (the draft's own size is planned as if alone)."""
         self.main, self.confidence = [], []
         limit = min(room, MAX_DRAFT)
-        planned = self.policy.chain_length(self.acceptance, self.call_ms, limit)
+        planned = self.policy.chain_length(self.acceptance, self.call_ms, limit, beside=beside)
         if planned == 0:
             return Draft()  # the features wait in `pending` for the next call
         start = time.perf_counter()

@@ -9,6 +9,8 @@ step takes the k in 0..limit that maximises tokens / (k*d + T(k+1)).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 
 MAX_DRAFT = 24  # nodes per verify, beyond which no drafter here pays
@@ -66,6 +68,21 @@ class Acceptance:
         return np.cumprod(self.rates()[:k])
 
 
+@dataclass(frozen=True)
+class Beside:
+    """A branch already in the verify that a drafter's new branch from the root would join
+    (the hybrid's copy): the verify rows it fills, root included; the tokens it is expected to
+    commit, the root's own included; and the chance its first draft is rejected, the only case
+    in which the target can take the new branch."""
+
+    rows: int = 1
+    tokens: float = 1.0
+    share: float = 1.0
+
+
+ALONE = Beside()  # nothing else in the verify: the draft is the only branch
+
+
 class Policy:
     """Chooses chain lengths (and tree side branches) from the verify cost and acceptance."""
 
@@ -75,16 +92,18 @@ class Policy:
         self.cost, self.fixed = cost, fixed
         self.skipped = 0
 
-    def chain_length(self, acceptance: Acceptance, draft_ms: float, limit: int, fixed_ms: float = 0.0) -> int:
-        """Drafts `draft_ms` per token and `fixed_ms` per call (when it drafts at all)."""
+    def chain_length(self, acceptance: Acceptance, draft_ms: float, limit: int, fixed_ms: float = 0.0,
+                     beside: Beside = ALONE) -> int:
+        """Drafts `draft_ms` per token and `fixed_ms` per call (when it drafts at all); `beside`:
+        the branch the chain would join (0: the chain does not add enough to it to pay)."""
         limit = min(limit, MAX_DRAFT)
         if self.fixed is not None:
             return min(self.fixed, limit)
         if limit <= 0:
             return 0
-        gained = 1 + np.concatenate(([0.0], np.cumsum(acceptance.reach(limit))))
+        gained = beside.tokens + beside.share * np.concatenate(([0.0], np.cumsum(acceptance.reach(limit))))
         k = np.arange(limit + 1)
-        spent = k * draft_ms + (k > 0) * fixed_ms + self.cost.ms[k + 1]
+        spent = k * draft_ms + (k > 0) * fixed_ms + self.cost.ms[np.minimum(beside.rows + k, len(self.cost.ms) - 1)]
         best = int(np.argmax(gained / spent))
         if best == 0:  # keep the acceptance figures current, or they could never recover
             self.skipped += 1

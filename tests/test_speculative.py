@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 
 from dflash.runtime import BundleError, Model
-from dflash.runtime.drafters import lookup_draft
-from dflash.runtime.policy import Acceptance, Policy, VerifyCost
+from dflash.runtime.drafters import Drafter, HybridDrafter, LookupDrafter, lookup_draft
+from dflash.runtime.policy import MAX_DRAFT, Acceptance, Beside, Policy, VerifyCost
 from dflash.runtime.speculative import Draft, accept
 from dflash.runtime.target import causal_mask
 
@@ -232,6 +232,52 @@ def test_policy_drafts_more_when_acceptance_is_high():
     assert policy.chain_length(good, 15.0, 20) < policy.chain_length(good, 1.0, 20)
     assert Policy(cost, fixed=5).chain_length(bad, 0.0, 20) == 5
     assert Policy(cost, fixed=5).chain_length(bad, 0.0, 3) == 3
+
+
+def _acceptance(accepted_of_2: float) -> Acceptance:
+    """Rates near accepted_of_2 / 2 at every depth (chains of 2 with that many taken on average)."""
+    acceptance = Acceptance()
+    for i in range(200):
+        acceptance.observe(2, int(accepted_of_2 * (i + 1)) - int(accepted_of_2 * i))
+    return acceptance
+
+
+def test_policy_drafts_beside_a_copy_only_what_adds_to_it():
+    dear_rows = VerifyCost({1: 3.6, 2: 4.0, 4: 4.8, 8: 7.2, 16: 12.0, 25: 17.0})  # int4-like
+    drafter = _acceptance(0.8)  # right 40% of the time
+    assert Policy(dear_rows).chain_length(drafter, 0.0, 15, fixed_ms=0.5) >= 1  # alone it pays
+    reliable_copy = Beside(rows=5, tokens=1 + 0.9 + 0.81 + 0.73 + 0.66, share=0.1)
+    assert Policy(dear_rows).chain_length(drafter, 0.0, 15, fixed_ms=0.5, beside=reliable_copy) == 0
+    weak_copy = Beside(rows=2, tokens=1.1, share=0.9)
+    assert Policy(dear_rows).chain_length(drafter, 0.0, 15, fixed_ms=0.5, beside=weak_copy) >= 1
+
+
+class _RecordingDrafter(Drafter):
+    """Drafts [5, 6] and records what the hybrid asked it for."""
+
+    def __init__(self, policy):
+        super().__init__(policy)
+        self.asked = []
+
+    def propose(self, history, room, beside=Beside()):
+        self.asked.append((room, beside))
+        self.main = [0, 1]
+        return Draft.chain([5, 6])
+
+
+def test_hybrid_plans_the_copy_first_and_the_drafter_beside_it():
+    policy = Policy(VerifyCost({1: 20.0, 2: 20.5, 25: 30.0}))
+    inner = _RecordingDrafter(policy)
+    hybrid = HybridDrafter(policy, inner, LookupDrafter(policy))
+    repeating = [1, 2, 3, 4, 9, 9, 1, 2, 3]  # the last 3-gram was followed by 4, 9, 9, 1, ...
+    draft = hybrid.propose(repeating, room=40)
+    room, beside = inner.asked[-1]
+    copied = len(hybrid.copied)
+    assert copied >= 1 and room == MAX_DRAFT - copied
+    assert beside.rows == 1 + copied and 1 < beside.tokens < 1 + copied and 0 < beside.share < 1
+    assert draft.tokens == [5, 6] + repeating[3:3 + copied] and draft.parents[2] == -1  # its own branch
+    hybrid.propose([1, 2, 3, 4, 5, 6, 7], room=40)  # nothing to copy: the drafter is alone
+    assert inner.asked[-1] == (MAX_DRAFT, Beside()) and hybrid.copied == []
 
 
 def test_unknown_drafter_is_refused_with_the_list(tiny):
