@@ -165,10 +165,8 @@ class DFlashDrafter(Drafter):
         reach = np.cumprod([self.calibration(p) for p in self.confidence])
         if self.policy.fixed is not None:
             k = min(self.policy.fixed, len(reach))
-        else:
-            k_all = np.arange(len(reach) + 1)
-            gained = beside.tokens + beside.share * np.concatenate(([0.0], np.cumsum(reach)))
-            k = int(np.argmax(gained / self.policy.cost.ms[np.minimum(k_all + beside.rows, MAX_DRAFT + 1)]))
+        else:  # the call is made: only the verify rows count now
+            k = self.policy.best_length(reach, beside=beside)
         self.main = list(range(k))
         return Draft.chain(ids[:k, 0].tolist())
 

@@ -12,7 +12,7 @@ import time
 
 import numpy as np
 
-from .policy import MAX_DRAFT, Acceptance, Beside, Policy
+from .policy import ALONE, MAX_DRAFT, Acceptance, Beside, Policy
 from .speculative import Draft, accepted_along
 from .suffix import SuffixIndex
 
@@ -281,7 +281,7 @@ class HybridDrafter(Drafter):
     def _beside(self, copied: int) -> Beside:
         """What a copy of `copied` tokens holds for the drafter's branch to add to."""
         if not copied:
-            return Beside()
+            return ALONE
         acceptance = self.lookup.by_source[self.lookup.source]
         return Beside(rows=1 + copied, tokens=1 + float(acceptance.reach(copied).sum()),
                       share=1 - float(acceptance.rates()[0]))

@@ -101,14 +101,20 @@ class Policy:
             return min(self.fixed, limit)
         if limit <= 0:
             return 0
-        gained = beside.tokens + beside.share * np.concatenate(([0.0], np.cumsum(acceptance.reach(limit))))
-        k = np.arange(limit + 1)
-        spent = k * draft_ms + (k > 0) * fixed_ms + self.cost.ms[np.minimum(beside.rows + k, len(self.cost.ms) - 1)]
-        best = int(np.argmax(gained / spent))
+        best = self.best_length(acceptance.reach(limit), draft_ms, fixed_ms, beside)
         if best == 0:  # keep the acceptance figures current, or they could never recover
             self.skipped += 1
             best = int(self.skipped % self.EXPLORE_EVERY == 0)
         return best
+
+    def best_length(self, reach: np.ndarray, draft_ms: float = 0.0, fixed_ms: float = 0.0,
+                    beside: Beside = ALONE) -> int:
+        """The k in 0..len(reach) that maximises expected tokens per ms, where reach[i] is the chance
+        the first i+1 drafts are all accepted."""
+        k = np.arange(len(reach) + 1)
+        gained = beside.tokens + beside.share * np.concatenate(([0.0], np.cumsum(reach)))
+        spent = k * draft_ms + (k > 0) * fixed_ms + self.cost.ms[np.minimum(beside.rows + k, len(self.cost.ms) - 1)]
+        return int(np.argmax(gained / spent))
 
     def rate(self, acceptance: Acceptance, k: int, draft_ms: float) -> float:
         """Expected committed tokens per ms of a chain of k."""
