@@ -57,16 +57,26 @@ def write_json(path: str | None, report: dict) -> None:
 @click.option("--small-pages", is_flag=True, help="also run every mode with the weights left on 4 KB "
               "pages (DFLASH_HUGE_PAGES=0): modes suffixed @4k")
 @click.option("--repeats", default=1, show_default=True, help="runs per prompt (median taken)")
+@click.option("--temperature", default=0.0, show_default=True,
+              help="sample at this temperature (0: greedy); every mode then draws what `ar` draws")
+@click.option("--top-p", default=1.0, show_default=True, help="with --temperature: nucleus sampling")
+@click.option("--top-k", default=0, show_default=True, help="with --temperature: top-k sampling (0: off)")
+@click.option("--seed", default=0, show_default=True, help="with --temperature: the sampling seed")
 @click.option("--json", "json_out", type=click.Path(), help="write the report here")
 @click.option("--plot", "plot_out", type=click.Path(), help="write a PNG bar chart here")
 def generate(bundles, prompts, max_new_tokens, modes, draft_len, hf, threads, target_cores, draft_cores,
-             small_pages, repeats, json_out, plot_out):
+             small_pages, repeats, temperature, top_p, top_k, seed, json_out, plot_out):
     """Decode tokens/s per mode on a prompt file, with outputs checked against `ar`."""
     from .generate import generate as run, layouts_for, plot, print_table
 
+    sampling = None
+    if temperature > 0:
+        if hf:
+            raise click.UsageError("--hf runs transformers' greedy generate: drop --hf or --temperature")
+        sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     layouts = layouts_for(threads, parse_cores(target_cores), parse_cores(draft_cores), small_pages)
     report = run(bundles, load_prompts(prompts), modes.split(","), max_new_tokens, threads, draft_len, hf,
-                 layouts, repeats)
+                 layouts, repeats, sampling)
     report = {"prompts": str(prompts), **report}
     print_table(report)
     write_json(json_out, report)

@@ -21,16 +21,17 @@ def machine() -> dict:
 
 
 class OrtRunner:
-    """Greedy generation with this project's runtime from token ids: mode "ar" (plain) or a
-    drafter's name.  Serves `generate` and `compare`."""
+    """Generation with this project's runtime from token ids: mode "ar" (plain) or a drafter's
+    name; greedy, or sampled with `sampling` (temperature, top_p, top_k, seed: every run draws
+    the same tokens as plain sampling with that seed).  Serves `generate` and `compare`."""
 
-    def __init__(self, model, mode: str, draft_len: int | None = None):
-        self.model, self.draft_len = model, draft_len
+    def __init__(self, model, mode: str, draft_len: int | None = None, sampling: dict | None = None):
+        self.model, self.draft_len, self.sampling = model, draft_len, sampling or {}
         self.drafter = None if mode == "ar" else mode
 
     def __call__(self, ids: list[int], max_new_tokens: int) -> dict:
         result = self.model.generate(input_ids=ids, max_new_tokens=max_new_tokens, drafter=self.drafter,
-                                     draft_len=self.draft_len)
+                                     draft_len=self.draft_len, **self.sampling)
         s = result.stats
         return {"tokens": result.tokens, "decode_s": s.decode_ms / 1e3, "prefill_s": s.prefill_ms / 1e3,
                 "prompt_tokens": s.prompt_tokens, "steps": s.steps, "decode_tokens": len(result.tokens) - 1,

@@ -29,7 +29,7 @@ def layouts_for(threads: int, target_cores=None, draft_cores=None, small_pages=F
     return layouts
 
 
-def make_runners(bundles, modes: list[str], draft_len, layouts: dict) -> tuple[dict, dict, list, object]:
+def make_runners(bundles, modes: list[str], draft_len, layouts: dict, sampling=None) -> tuple[dict, dict, list, object]:
     """({name: runner}, {name: the name it is compared with}, skipped notes, the last Model).
     A name is the mode, then the bundle's suffix ("" for the first bundle, then -DTYPE, or the
     folder name if that is taken), then the layout's suffix."""
@@ -53,7 +53,7 @@ def make_runners(bundles, modes: list[str], draft_len, layouts: dict) -> tuple[d
                     continue
                 if layout == "@pinned" and mode == "ar":
                     continue  # the pinned layout is about the two sessions
-                runners[mode + suffix] = OrtRunner(model, mode, draft_len)
+                runners[mode + suffix] = OrtRunner(model, mode, draft_len, sampling)
                 bases[mode + suffix] = "ar" + names[i]
     return runners, bases, skipped, model
 
@@ -89,10 +89,11 @@ def speedups_by_kind(rows, results, mode: str, base: str) -> dict:
 
 
 def generate(bundles, rows: list[dict], modes: list[str], max_new_tokens: int, threads: int, draft_len=None,
-             hf=False, layouts=None, repeats=1) -> dict:
-    """The report: per mode its summary, speedup over its base, speedup by prompt kind, losslessness."""
+             hf=False, layouts=None, repeats=1, sampling=None) -> dict:
+    """The report: per mode its summary, speedup over its base, speedup by prompt kind, losslessness
+    (greedy: the same tokens as `ar`; `sampling`: the same tokens as `ar` sampling with that seed)."""
     layouts = layouts or layouts_for(threads)
-    runners, bases, skipped, model = make_runners(bundles, modes, draft_len, layouts)
+    runners, bases, skipped, model = make_runners(bundles, modes, draft_len, layouts, sampling)
     for note in skipped:
         click.echo(f"skipped: {note}", err=True)
     if hf:
@@ -103,6 +104,7 @@ def generate(bundles, rows: list[dict], modes: list[str], max_new_tokens: int, t
     summaries = {name: summarize(runs) for name, runs in results.items()}
     return {"machine": machine(), "threads": threads, "max_new_tokens": max_new_tokens,
             "bundles": list(bundles), "draft_len": draft_len or "adaptive", "layouts": layouts, "skipped": skipped,
+            "sampling": sampling or "greedy",
             "modes": summaries,
             "speedup": {name: summaries[name]["tokens_per_s"] / summaries[bases[name]]["tokens_per_s"]
                         for name in summaries},

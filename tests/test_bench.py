@@ -35,6 +35,29 @@ def test_generate_compares_modes_with_ar(spec_bundle, tmp_path):
     assert report["skipped"][0].startswith("no-such-drafter") and report["prompts"] == str(prompts)
 
 
+def test_generate_samples_with_one_seed_across_modes(spec_bundle, tmp_path):
+    """Sampled, every mode draws what `ar` draws with the same seed (sample-and-match), and
+    another seed draws something else; transformers' greedy generate cannot join."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "kind": "chat", "prompt": "the quick brown fox"}))
+    outputs = []
+    for seed in ("1", "2"):
+        out = tmp_path / f"bench{seed}.json"
+        result = CliRunner().invoke(main, ["generate", "--bundle", str(spec_bundle()), "--prompts", str(prompts),
+                                           "--modes", "ar,self-int8", "--max-new-tokens", "12", "--threads", "1",
+                                           "--temperature", "1.5", "--top-p", "0.95", "--seed", seed,
+                                           "--json", str(out)])
+        assert result.exit_code == 0, result.output
+        report = json.loads(out.read_text())
+        assert report["sampling"] == {"temperature": 1.5, "top_p": 0.95, "top_k": 0, "seed": int(seed)}
+        assert all(report["lossless"].values())
+        outputs.append(report["modes"]["ar"]["outputs"]["a"])
+    assert outputs[0] != outputs[1]
+    result = CliRunner().invoke(main, ["generate", "--bundle", str(spec_bundle()), "--prompts", str(prompts),
+                                       "--hf", "--temperature", "0.7"])
+    assert result.exit_code != 0 and "drop --hf or --temperature" in result.output
+
+
 def test_verify_times_every_fitting_configuration(tiny, tmp_path):
     out = tmp_path / "verify.json"
     short, long = tiny("llama")[0], tiny("llama", max_len=2048 + 32)[0]

@@ -113,6 +113,42 @@ def test_top_p_keeps_the_smallest_set_reaching_p():
     np.testing.assert_allclose(p, np.array([0.5, 0.3, 0.15, 0]) / 0.95)
 
 
+def _full_sort_probabilities(logits, params):
+    """The specification the fast top-p path must equal: a stable sort of the whole vocabulary."""
+    import numpy as np
+
+    z = logits.astype(np.float64) / params.temperature
+    if params.top_k:
+        z = np.where(z >= np.sort(z)[-params.top_k], z, -np.inf)
+    p = np.exp(z - z.max())
+    p /= p.sum()
+    if params.top_p < 1:
+        order = np.argsort(-p, kind="stable")
+        keep = order[: np.searchsorted(np.cumsum(p[order]), params.top_p) + 1]
+        p = np.where(np.isin(np.arange(p.size), keep), p, 0.0)
+        p /= p.sum()
+    return p
+
+
+@pytest.mark.parametrize("vocab, scale, rounded", [(7, 1.0, False), (49152, 3.0, False), (49152, 3.0, True),
+                                                   (49152, 0.01, False)])
+def test_sampling_equals_a_full_sort_and_generator_choice(vocab, scale, rounded):
+    """Partial sorts (ties at the threshold, and a flat distribution that needs the fallback)
+    keep the same set, and the draw matches Generator.choice draw for draw."""
+    import numpy as np
+
+    from dflash.runtime.sampling import Sampler, probabilities
+
+    logits = (np.random.default_rng(vocab).standard_normal(vocab) * scale).astype(np.float32)
+    logits = np.round(logits, 1) if rounded else logits
+    for params in (SamplingParams(0.7, seed=1), SamplingParams(0.7, top_p=0.95, seed=2),
+                   SamplingParams(1.3, top_p=0.5, seed=3), SamplingParams(0.8, top_k=5, top_p=0.9, seed=4)):
+        expected = _full_sort_probabilities(logits, params)
+        np.testing.assert_allclose(probabilities(logits, params), expected, rtol=1e-12, atol=0)
+        sampler, reference = Sampler(params), np.random.default_rng(params.seed)
+        assert [sampler(logits) for _ in range(30)] == [int(reference.choice(vocab, p=expected)) for _ in range(30)]
+
+
 def test_stop_string_ends_the_text(model):
     full = model.generate("the quick", max_new_tokens=40, ignore_eos=True)
     assert len(full.text) > 10
