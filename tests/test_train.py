@@ -272,6 +272,37 @@ def test_label_cache_resumes_where_it_stopped(tmp_path):
             assert torch.equal(a, b)
 
 
+def test_ort_engine_answers_with_the_bundles_own_graph(tiny, tmp_path, small_rounds):
+    """`data --engine ort`: an int4 bundle's graph samples the answers, recording its argmax at
+    every position; seeded rows repeat, and the rounds land in shards under the q4o prefix."""
+    from click.testing import CliRunner
+
+    from dflash.export import sources
+    from dflash.train import shards
+    from dflash.train.cli import main
+    from dflash.train.data import Target, run
+    from dflash.train.ort_sampler import OrtSampler
+
+    bundle, hf = tiny("llama", dtype="int4")
+    engine = OrtSampler(bundle, threads=1)
+    target = Target(sources.load(str(hf)), engine)
+    assert engine.dtype == "int4"
+    prompt = target.encode("the quick brown fox")
+    greedy = target.sample([prompt], 12, temperature=0, top_p=1.0, seed=0)[0]
+    plain = engine.model.generate(input_ids=prompt, max_new_tokens=12, ignore_eos=True).tokens
+    assert greedy.tokens == greedy.greedy == plain[: len(greedy.tokens)]
+    first, again, other = (target.sample([prompt, prompt], 12, temperature=1.5, top_p=0.95, seed=seed)
+                           for seed in (3, 3, 4))
+    assert [s.tokens for s in first] == [s.tokens for s in again] != [s.tokens for s in other]
+    assert first[0].tokens != first[1].tokens  # each row draws with its own seed
+    run(target, tmp_path / "data", answer_tokens=1, max_new_tokens=16, echo=lambda m: None, prefix="q4o")
+    rows = shards.read_all(tmp_path / "data")
+    assert rows and all(r["id"].startswith("q4o") and len(r["greedy"]) == len(r["answer"]) for r in rows)
+    result = CliRunner().invoke(main, ["data", "--target", str(bundle), "--out", str(tmp_path / "x"),
+                                       "--engine", "ort", "--target-dtype", "int4"])
+    assert result.exit_code != 0 and "drop --target-dtype" in result.output
+
+
 def test_label_cache_grows_when_data_is_appended(tmp_path):
     from tiny_models import make_model, make_tokenizer
 

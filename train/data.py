@@ -23,10 +23,11 @@ MAGPIE_CANDIDATES = 40
 
 
 class Target:
-    """The target in transformers (fp32, or emulating an int4 bundle), with its chat template and end tokens."""
+    """The target in transformers (fp32, or emulating an int4 bundle), with its chat template and end
+    tokens; `engine`: an OrtSampler to sample with the exported graph instead (ort_sampler.py)."""
 
-    def __init__(self, source):
-        self.model, self.tokenizer = source.model, source.tokenizer
+    def __init__(self, source, engine=None):
+        self.model, self.tokenizer, self.engine = source.model, source.tokenizer, engine
         tok = self.tokenizer
         self.end_ids = {i for i in (tok.eos_token_id, tok.convert_tokens_to_ids("<|im_end|>"),
                                     tok.convert_tokens_to_ids("<|eot_id|>")) if isinstance(i, int) and i >= 0}
@@ -34,6 +35,14 @@ class Target:
         marker = "\x00REQUEST\x00"
         rendered = self.render([{"role": "user", "content": marker}])
         self.user_opening = rendered[: rendered.index(marker)]  # system turn + opening of a user turn
+
+    def sample(self, prompts: list[list[int]], max_new_tokens: int, temperature: float, top_p: float, seed: int):
+        """Sampled answers with the target's argmax at every position (sampler.Sampled)."""
+        if self.engine:
+            return self.engine.sample(prompts, max_new_tokens, self.end_ids, temperature=temperature, top_p=top_p,
+                                      seed=seed)
+        return sample(self.model, prompts, max_new_tokens, self.end_ids, self.pad_id, temperature=temperature,
+                      top_p=top_p, seed=seed)
 
     def render(self, messages: list[dict]) -> str:
         return self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
@@ -50,8 +59,7 @@ def magpie_requests(target: Target, rng: random.Random, seen: set, seed: int) ->
     openings = [rng.choice(prompts.OPENINGS) for _ in range(MAGPIE_CANDIDATES)]
     starts = [target.encode(target.user_opening + o) for o in openings]
     out = []
-    for opening, s in zip(openings, sample(target.model, starts, 96, target.end_ids, target.pad_id,
-                                           temperature=0.8, top_p=0.95, seed=seed)):
+    for opening, s in zip(openings, target.sample(starts, 96, temperature=0.8, top_p=0.95, seed=seed)):
         if not s.ended:
             continue
         text = (opening + target.decode(s.tokens)).strip()
@@ -107,8 +115,8 @@ def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_to
     while total < answer_tokens:
         rows = plan_round(target, rnd, seed, seen, previous, prefix)
         prompts_ids = [target.encode(target.render(shards.messages(r, by_id, target.decode))) for r in rows]
-        for row, s in zip(rows, sample(target.model, prompts_ids, max_new_tokens, target.end_ids, target.pad_id,
-                                       temperature=0.7, top_p=0.95, seed=seed * 100003 + rnd + 50000)):
+        for row, s in zip(rows, target.sample(prompts_ids, max_new_tokens, temperature=0.7, top_p=0.95,
+                                              seed=seed * 100003 + rnd + 50000)):
             row.update(answer=s.tokens, greedy=s.greedy, ended=s.ended)
         shards.write(out / f"shard-{rnd:05d}.npz", rows)
         by_id.update({r["id"]: r for r in rows})
