@@ -23,7 +23,8 @@ class OrtSampler:
         self.target = self.model.target
         self.dtype = self.model.bundle.graphs["target"]["dtype"]
 
-    def sample(self, prompts: list[list[int]], max_new_tokens: int, end_ids: set[int], temperature: float = 0.7, top_p: float = 0.95, seed: int = 0) -> list[Sampled]:
+    def sample(self, prompts: list[list[int]], max_new_tokens: int, end_ids: set[int], temperature: float = 0.7,
+               top_p: float = 0.95, seed: int = 0) -> list[Sampled]:
         from dflash.runtime.sampling import Sampler, SamplingParams
 
         results = []
