@@ -283,7 +283,7 @@ def test_ort_engine_answers_with_the_bundles_own_graph(tiny, tmp_path, small_rou
     from dflash.train.data import Target, run
     from dflash.train.ort_sampler import OrtSampler
 
-    bundle, hf = tiny("llama", dtype="int4")
+    bundle, hf = tiny("llama", max_len=2048 + 32, dtype="int4")  # room for the rounds' grounded prompts
     engine = OrtSampler(bundle, threads=1)
     target = Target(sources.load(str(hf)), engine)
     assert engine.dtype == "int4"

@@ -34,10 +34,12 @@ class OrtSampler:
         return results
 
     def _answer(self, prompt: list[int], max_new_tokens: int, end_ids: set[int], sampler) -> Sampled:
-        prompt = prompt[-(self.target.capacity - max_new_tokens):]  # room for the answer in the cache
+        # The runtime's own fitting: a prompt the cache cannot hold is an error (cutting it would store
+        # a row whose rebuilt prompt is not what the answer followed); the answer stops when it is full.
+        prompt, budget = self.model._fit(prompt, max_new_tokens, truncate=None)
         one, past = np.ones((1, 1), np.bool_), len(prompt)
         logits, out = self.target.prefill(prompt), Sampled([], [], False)
-        while len(out.tokens) < max_new_tokens:
+        while len(out.tokens) < budget:
             out.greedy.append(int(np.argmax(logits)))
             token = sampler(logits)
             out.tokens.append(token)
