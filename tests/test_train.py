@@ -303,6 +303,37 @@ def test_ort_engine_answers_with_the_bundles_own_graph(tiny, tmp_path, small_rou
     assert result.exit_code != 0 and "drop --target-dtype" in result.output
 
 
+def test_ort_labeller_gives_the_bundles_taps_and_logits(tiny, tmp_path):
+    """`fit --int4-bundle`: the exported graph in ONNX Runtime labels the cache. On an fp32 bundle its
+    features and labels are the transformers target's (to float rounding), past one 64-row chunk;
+    a bundle of another model or precision is refused."""
+    from click.testing import CliRunner
+
+    from dflash.export import sources
+    from dflash.runtime.bundle import load_bundle
+    from dflash.train.cli import main
+    from dflash.train.fit import LabelCache
+    from dflash.train.ort_sampler import OrtLabeller
+
+    bundle, hf = tiny("llama")
+    taps = load_bundle(bundle).taps
+    model = sources.load(str(hf)).model.eval()
+    rows = [{"id": f"r{i}", "prompt": [1, 5, 6], "answer": list(range(7, 7 + 70 + 5 * i))} for i in range(2)]
+    by_torch = LabelCache(tmp_path / "torch", rows, taps, model.config.hidden_size)
+    by_torch.build(model, echo=lambda m: None)
+    by_ort = LabelCache(tmp_path / "ort", rows, taps, model.config.hidden_size)
+    by_ort.build(OrtLabeller(bundle, taps, model.config.vocab_size, threads=1), echo=lambda m: None)
+    for i in range(2):
+        (f1, ids1, p1), (f2, ids2, p2) = by_torch.sequence(i), by_ort.sequence(i)
+        assert len(f1) > 64 and torch.allclose(f1, f2, atol=2e-2, rtol=2e-3)
+        assert (ids1[:, 0] == ids2[:, 0]).float().mean() > 0.95 and torch.allclose(p1, p2, atol=2e-3)
+    with pytest.raises(ValueError, match="export both bundles from the same model"):
+        OrtLabeller(bundle, [t + 1 for t in taps], model.config.vocab_size)
+    result = CliRunner().invoke(main, ["fit", "--target", str(bundle), "--data", str(tmp_path), "--out",
+                                       str(tmp_path / "x"), "--int4-data", str(tmp_path), "--int4-bundle", str(bundle)])
+    assert result.exit_code != 0 and "is not an int4 bundle" in result.output
+
+
 def test_label_cache_grows_when_data_is_appended(tmp_path):
     from tiny_models import make_model, make_tokenizer
 

@@ -111,18 +111,28 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
                    "labelled by that target in CACHE/int4: one drafter for fp32 and int4 bundles")
 @click.option("--int4-share", type=click.FloatRange(0, 1),
               help="with --int4-data: the fraction of steps on those answers (default: by row count)")
+@click.option("--int4-bundle", type=click.Path(exists=True, file_okay=False),
+              help="with --int4-data: label those answers with this int4 bundle in ONNX Runtime (the exact taps "
+                   "the runtime's drafter reads, several times faster than the emulation)")
 @click.option("--refine", is_flag=True,
               help="dflash: also learn a second pass over the block with the first pass's drafts in place of "
                    "the masks (the runtime then drafts in two calls; see dflash/train/objective.py)")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
         mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype, int4_data_dirs,
-        int4_share, refine):
+        int4_share, int4_bundle, refine):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
     (see dflash/train/fit.py and eagle3.py)."""
     import torch
 
+    from dflash.runtime.bundle import load_bundle
+
     from .fit import train
 
+    if int4_bundle and not int4_data_dirs:
+        raise click.ClickException("--int4-bundle labels the --int4-data answers: give --int4-data too")
+    if int4_bundle and load_bundle(int4_bundle).graphs["target"]["dtype"] != "int4":
+        raise click.ClickException(f"--int4-bundle {int4_bundle} is not an int4 bundle: export one with "
+                                   "`dflash-export target ... --dtype int4`")
     empty = [str(d) for d in (*data_dirs, *int4_data_dirs) if not any(Path(d).glob("shard-*.npz"))]
     if empty:
         raise click.ClickException(f"no data shards in {', '.join(empty)}: run `dflash-train data` first")
@@ -134,9 +144,9 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
 
         if greedy_only:
             raise click.ClickException("--greedy-only is for --arch dflash (an EAGLE-3 head drafts one token a step)")
-        if target_dtype != "fp32" or int4_data_dirs or refine:
-            raise click.ClickException("--target-dtype, --int4-data and --refine are for --arch dflash; drop them "
-                                       "for --arch eagle3")
+        if target_dtype != "fp32" or int4_data_dirs or int4_bundle or refine:
+            raise click.ClickException("--target-dtype, --int4-data, --int4-bundle and --refine are for --arch "
+                                       "dflash; drop them for --arch eagle3")
 
         taps = [int(t) for t in head_taps.split(",")] if head_taps else None
         eagle3.train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", taps=taps,
@@ -146,7 +156,8 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
     train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
           seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
-          target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, int4_share=int4_share, refine=refine,
+          target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, int4_share=int4_share,
+          int4_bundle=int4_bundle, refine=refine,
           echo=lambda m: click.echo(m, err=True))
 
 

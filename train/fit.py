@@ -136,19 +136,18 @@ class LabelCache:
         return None
 
     def build(self, model, echo=print) -> None:
-        """Run the target over every sequence not labelled yet, in storage order (resumable)."""
+        """Run the target over every sequence not labelled yet, in storage order (resumable).
+        `model`: a transformers model, or an OrtLabeller (the exported graph in ONNX Runtime)."""
         import torch
 
         start, first, total = time.perf_counter(), self.done, len(self.stored)
         with torch.inference_mode():
             for k in range(self.done, total):
                 row = self.rows_by_id[self.stored[k][0]]
-                ids = row["prompt"] + row["answer"]
-                out = model(torch.tensor([ids]), output_hidden_states=True)
+                features, logits = self._forward(model, row["prompt"] + row["answer"])
                 lo, hi = self.storage_offsets[k], self.storage_offsets[k + 1]
-                # tap id t is the OUTPUT of decoder layer t: hidden_states[t + 1]
-                self.features[lo:hi] = torch.cat([out.hidden_states[t + 1][0] for t in self.taps], -1).half().numpy()
-                probs = torch.softmax(out.logits[0].float(), -1)
+                self.features[lo:hi] = features.half().numpy()
+                probs = torch.softmax(logits.float(), -1)
                 if self.d2t is not None:
                     probs = probs[:, self.d2t]
                 top = probs.topk(SOFT_K, dim=-1)
@@ -159,6 +158,16 @@ class LabelCache:
                     rate = (self.storage_offsets[k + 1] - self.storage_offsets[first]) / (time.perf_counter() - start)
                     echo(f"  target labels: {k + 1}/{total} sequences, {rate:.0f} tok/s, "
                          f"ETA {(self.storage_offsets[-1] - self.storage_offsets[k + 1]) / rate / 60:.0f} min")
+
+    def _forward(self, model, ids):
+        """(tap features [L, T*H], logits [L, V]) of the sequence `ids`."""
+        import torch
+
+        if not isinstance(model, torch.nn.Module):
+            return model(ids)
+        out = model(torch.tensor([ids]), output_hidden_states=True)
+        # tap id t is the OUTPUT of decoder layer t: hidden_states[t + 1]
+        return torch.cat([out.hidden_states[t + 1][0] for t in self.taps], -1), out.logits[0]
 
     def _save(self, done: int) -> None:
         for array in (self.features, self.soft_ids, self.soft_p):
@@ -235,15 +244,18 @@ def held_out_split(n: int, start: int = 0) -> tuple[list[int], list[int]]:
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
           text_tokens=0, init_from=None, greedy_only=False, target_dtype="fp32", int4_data_dirs=(),
-          int4_share=None, refine=False, echo=print) -> dict:
+          int4_share=None, int4_bundle=None, refine=False, echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
     `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start);
     `greedy_only`: learn only labels on the target's greedy path (see greedy_path);
     `target_dtype` "int4": features and labels from the target computing as an int4 bundle does
     (int4_target.py); the drafter still reads the fp32 embedding and lm_head it is exported with.
-    `int4_data_dirs`: answers the int4-emulating target wrote (`data --target-dtype int4`), labelled
-    by that target in `cache_dir`/int4 and trained on alongside the others (one drafter for both);
-    `int4_share`: the fraction of steps that draw one of those rows (default: by row count).
+    `int4_data_dirs`: answers an int4 target wrote (`data --target-dtype int4`, or `--engine ort` on an
+    int4 bundle), labelled by the int4-emulating target in `cache_dir`/int4 and trained on alongside
+    the others (one drafter for both);
+    `int4_share`: the fraction of steps that draw one of those rows (default: by row count);
+    `int4_bundle`: label those rows with this int4 bundle in ONNX Runtime instead (the taps the
+    runtime's drafter reads, exactly, and several times faster than the emulation);
     `refine`: also learn the refining second pass (objective.py); each step costs two passes."""
     import torch
 
@@ -275,9 +287,11 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     pools = [train_ids]  # training rows by kind; a step draws a kind, then a row of it
     if int4_data_dirs:
         rows4 = load_sequences(int4_data_dirs, tokenizer)
-        cache4 = LabelCache(Path(cache_dir) / "int4", rows4, manifest["taps"], tc.hidden_size, d2t, "int4")
+        # the kind names the labeller: a cache the emulation labelled is relabelled by the bundle
+        kind = "int4 bundle" if int4_bundle else "int4"
+        cache4 = LabelCache(Path(cache_dir) / "int4", rows4, manifest["taps"], tc.hidden_size, d2t, kind)
         if cache4.done < len(cache4.stored):
-            cache4.build(labeller(target, "int4"), echo)
+            cache4.build(labeller(target, "int4", int4_bundle, manifest["taps"]), echo)
         train4, held4 = held_out_split(len(rows4), len(rows))
         rows, cache = rows + rows4, MixedCaches(cache, cache4)
         held_ids = held_ids + held4
@@ -339,8 +353,13 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     return state
 
 
-def labeller(target, target_dtype: str):
-    """The model whose forward gives the cache its features and labels."""
+def labeller(target, target_dtype: str, bundle=None, taps=()):
+    """The model whose forward gives the cache its features and labels: `bundle` (an exported
+    target, run in ONNX Runtime), else the transformers target (int4: emulating MatMulQ4)."""
+    if bundle is not None:
+        from .ort_sampler import OrtLabeller
+
+        return OrtLabeller(bundle, list(taps), target.config.vocab_size)
     if target_dtype == "fp32":
         return target
     if target_dtype != "int4":

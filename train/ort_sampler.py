@@ -1,9 +1,11 @@
-"""Sampling answers with the exported target in ONNX Runtime, as a bundle runs for its users.
+"""Sampling answers with the exported target in ONNX Runtime, and labelling them, as a bundle
+runs for its users.
 
 An int4 bundle decodes ~3-4x faster here than transformers emulating its MatMuls
 (int4_target.py), so the int4 target's own answers are cheap to make this way.  One prompt
 at a time (the graph takes one sequence); every step records the target's argmax beside
 the sampled token, as sampler.sample does, and a looping answer is stopped early.
+The labeller gives a fit the taps and logits the runtime's drafter will read, to the bit.
 """
 
 from __future__ import annotations
@@ -51,3 +53,34 @@ class OrtSampler:
             logits = self.target.forward([token], [past], one, past)[0]
             past += 1
         return out
+
+
+class OrtLabeller:
+    """`labeller(ids)` -> (tap features [L, T*H], logits [L, V]) as torch tensors: a causal pass of
+    the bundle's target graph over one sequence (LabelCache.build's contract, fit.py)."""
+
+    def __init__(self, bundle, taps: list[int], vocab_size: int, threads: int | None = None):
+        from dflash.runtime.bundle import load_bundle
+        from dflash.runtime.target import Target
+
+        self.bundle = load_bundle(bundle)
+        if list(self.bundle.taps) != list(taps) or self.bundle.vocab_size != vocab_size:
+            raise ValueError(f"{bundle} taps {self.bundle.taps} and vocabulary {self.bundle.vocab_size} differ from the "
+                             f"fitted target's {taps} and {vocab_size}: export both bundles from the same model")
+        self.target = Target(self.bundle, threads=threads)
+
+    def __call__(self, ids: list[int]):
+        import torch
+
+        from dflash.runtime.target import MAX_ROWS, causal_mask
+
+        if len(ids) > self.target.capacity:
+            raise ValueError(f"a {len(ids)}-token sequence does not fit the bundle's cache of {self.target.capacity}")
+        features = np.empty((len(ids), self.target._taps.shape[-1]), np.float32)
+        logits = np.empty((len(ids), self.bundle.vocab_size), np.float32)
+        for start in range(0, len(ids), MAX_ROWS):
+            chunk = ids[start : start + MAX_ROWS]
+            s = len(chunk)
+            logits[start : start + s] = self.target.forward(chunk, np.arange(start, start + s), causal_mask(s), start)
+            features[start : start + s] = self.target.taps(s)
+        return torch.from_numpy(features), torch.from_numpy(logits)
