@@ -174,6 +174,7 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     first = train(source, manifest, [tmp_path / "data"], tmp_path / "drafter", tmp_path / "cache", max_steps=20,
                   **options)
     assert first["step"] == 20 and first["history"]
+    assert all(1 <= h[k] <= 8 for h in first["history"] for k in ("tau", "train_tau"))  # held-out and seen rows
     later = train(source, manifest, [tmp_path / "data"], tmp_path / "drafter", tmp_path / "cache", max_steps=30,
                   resume=True, greedy_only=True, **options)  # resumed under the greedy-path labels
     assert later["step"] == 30 and len(later["history"]) == len(first["history"]) + 1

@@ -296,6 +296,10 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         rows, cache = rows + rows4, MixedCaches(cache, cache4)
         held_ids = held_ids + held4
         pools = [train_ids, train4] if int4_share is not None else [train_ids + train4]
+    # answers it trains on, scored like the held-out ones: the gap between the two says whether more
+    # data (a wide gap: it memorizes) or a larger drafter (none) would help
+    seen_ids = [i for pool in pools for i in pool if rows[i]["kind"] != "text"]
+    seen_ids = random.Random(seed + 1).sample(seen_ids, min(64, len(seen_ids)))
     config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id, refine))
     drafter = DFlashDrafter(config)
     _init(drafter, seed)
@@ -340,10 +344,11 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         state["seconds"] += step_seconds(start)
         if time.perf_counter() - last_eval > 120 or state["seconds"] >= budget or state["step"] == max_steps:
             tau = held_out_tau(drafter, rows, cache, held_ids, embed, lm_head, cos, sin)
+            seen_tau = held_out_tau(drafter, rows, cache, seen_ids, embed, lm_head, cos, sin)
             state["history"].append({"step": state["step"], "minutes": state["seconds"] / 60,
-                                     "loss": loss.item(), "tau": tau})
+                                     "loss": loss.item(), "tau": tau, "train_tau": seen_tau})
             echo(f"  step {state['step']}, {state['seconds'] / 60:.1f}/{minutes:.0f} min, loss {loss.item():.3f}, "
-                 f"held-out tau {tau:.2f}")
+                 f"held-out tau {tau:.2f} (on {len(seen_ids)} training answers {seen_tau:.2f})")
             save(drafter, config, d2t, out)
             torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
                         "rng": rng.getstate()}, checkpoint)
@@ -534,7 +539,11 @@ def plot_history(history: list[dict], path: Path) -> None:
     ax.set_ylabel("loss")
     other = ax.twinx()
     other.plot(minutes, [h["tau"] for h in history], color="#d8643b", label="held-out tau")
+    seen = [h for h in history if "train_tau" in h]
+    if seen:
+        other.plot([h["minutes"] for h in seen], [h["train_tau"] for h in seen], color="#d8643b", linestyle="--",
+                   label="tau on training answers")
     other.set_ylabel("held-out tau (tokens per step)")
-    fig.legend(loc="upper center", ncol=2)
+    fig.legend(loc="upper center", ncol=3, fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
