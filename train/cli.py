@@ -107,8 +107,9 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
               help="dflash: label with the target as it runs in a bundle of this precision (int4: its MatMuls "
                    "emulate MatMulQ4); give each its own --cache")
 @click.option("--int4-data", "int4_data_dirs", multiple=True, type=click.Path(exists=True, path_type=Path),
-              help="dflash: also train on answers the int4-emulating target wrote (`data --target-dtype int4`), "
-                   "labelled by that target in CACHE/int4: one drafter for fp32 and int4 bundles")
+              help="dflash: also train on answers an int4 target wrote (`data --target-dtype int4`, or `--engine "
+                   "ort` on an int4 bundle), labelled in CACHE/int4 by the int4-emulating target (or --int4-bundle): "
+                   "one drafter for fp32 and int4 bundles")
 @click.option("--int4-share", type=click.FloatRange(0, 1),
               help="with --int4-data: the fraction of steps on those answers (default: by row count)")
 @click.option("--int4-bundle", type=click.Path(exists=True, file_okay=False),

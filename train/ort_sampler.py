@@ -76,7 +76,7 @@ class OrtLabeller:
 
         if len(ids) > self.target.capacity:
             raise ValueError(f"a {len(ids)}-token sequence does not fit the bundle's cache of {self.target.capacity}")
-        features = np.empty((len(ids), self.target._taps.shape[-1]), np.float32)
+        features = np.empty((len(ids), len(self.bundle.taps) * self.bundle.hidden_size), np.float32)
         logits = np.empty((len(ids), self.bundle.vocab_size), np.float32)
         for start in range(0, len(ids), MAX_ROWS):
             chunk = ids[start : start + MAX_ROWS]
