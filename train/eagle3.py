@@ -190,7 +190,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
     rows = text_sequences(Target(target_source), text_tokens, seed) + load_sequences(data_dirs, Target(target_source))
     d2t = LabelCache.vocabulary(cache_dir, draft_vocab)
     d2t = draft_vocabulary(rows, draft_vocab, tc.vocab_size) if d2t is None else d2t
-    cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t)
+    cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t, echo=echo)
     cache.build(target, echo)
     columns = torch.from_numpy(tap_columns(manifest["taps"], tc.hidden_size, taps))
     head = new_head(tc, taps, d2t, target.lm_head.weight.detach().float(), seed)
