@@ -129,9 +129,9 @@ class LabelCache:
     def _convert_fp16_features(self, echo, rows: int = 1 << 16) -> None:
         """Rewrite a cache's fp16 features (the format before int8) as int8 and scales, in place."""
         path = self.folder / "features.npy"
-        if not path.is_file() or np.load(path, mmap_mode="r").dtype != np.float16:
+        old = np.load(path, mmap_mode="r") if path.is_file() else None
+        if old is None or old.dtype != np.float16:
             return
-        old = np.load(path, mmap_mode="r")
         n = len(old)
         echo(f"  converting the fp16 features of {n} tokens in {self.folder} to int8 (once; ~1 min per 1M tokens)")
         features = np.lib.format.open_memmap(self.folder / "features.int8.npy", "w+", np.int8, old.shape)
