@@ -142,8 +142,11 @@ class DFlashDrafter(torch.nn.Module):
 
     @classmethod
     def load(cls, folder) -> "DFlashDrafter":
-        """A checkpoint folder: config.json and *.safetensors (any float dtype; run in fp32)."""
+        """A checkpoint folder: config.json and *.safetensors (any float dtype, or compact.py's
+        int8; run in fp32)."""
         from safetensors.torch import load_file
+
+        from .compact import expand_state
 
         folder = Path(folder)
         if not (folder / "config.json").is_file():
@@ -155,6 +158,7 @@ class DFlashDrafter(torch.nn.Module):
         state = {}
         for f in files:
             state.update({k.removeprefix("model."): v for k, v in load_file(str(f)).items()})
+        state = expand_state(state)  # the shipped drafters store int8 matrices (compact.py)
         d2t = state.pop("d2t", None)  # a reduced draft vocabulary: draft id -> target id
         state = {k: v.float() for k, v in state.items()}
         drafter = cls(config)

@@ -362,3 +362,35 @@ def test_an_int4_drafter_runs_on_matmul_q4_and_stays_lossless(qwen3_dflash, tmp_
         plain = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True).tokens
         for drafter in ("dflash", "dflash-tree"):
             assert model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True, drafter=drafter).tokens == plain
+
+
+def test_ship_stores_int8_matrices_that_load_within_a_step_and_stay_lossless(qwen3_dflash, tmp_path):
+    """`dflash-train ship`: a drafter as the package ships it, int8 matrices with a scale per row;
+    it loads within about half a quantization step of the original and decodes the target's tokens."""
+    from click.testing import CliRunner
+    from safetensors.torch import load_file
+
+    from dflash.export.cli import export_dflash
+    from dflash.export.dflash import DFlashDrafter
+    from dflash.train.cli import main
+
+    result = CliRunner().invoke(main, ["ship", str(qwen3_dflash[2]), "--out", str(tmp_path / "shipped")])
+    assert result.exit_code == 0, result.output
+    stored = load_file(str(tmp_path / "shipped" / "model.safetensors"))
+    weight = "layers.0.mlp.down_proj.weight"
+    assert stored[weight].dtype == torch.int8 and stored[weight + "_scale"].dtype == torch.float16
+    original, shipped = (DFlashDrafter.load(f).state_dict() for f in (qwen3_dflash[2], tmp_path / "shipped"))
+    assert original.keys() == shipped.keys()
+    for name, w in original.items():
+        step = w.abs().amax(dim=1, keepdim=True) / 127 if w.dim() == 2 else w.abs().max() / 100
+        assert ((w - shipped[name]).abs() <= step * 0.6 + 1e-6).all(), name  # half a step, the scale's fp16
+    bundle = tmp_path / "bundle"
+    shutil.copytree(qwen3_dflash[0], bundle)
+    export_dflash(tmp_path / "shipped", bundle)
+    model = Model(bundle)
+    for ids in prompts():
+        plain = model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True)
+        assert model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, drafter="dflash").tokens \
+            == plain.tokens
+    refused = CliRunner().invoke(main, ["ship", str(tmp_path), "--out", str(tmp_path / "x")])
+    assert refused.exit_code != 0 and "has no config.json" in refused.output and "Traceback" not in refused.output

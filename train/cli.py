@@ -4,6 +4,7 @@
     dflash-train fit  --target bundles/smollm2 --data campaign/smollm2/answers --out out/drafter
     dflash-export drafter out/drafter --target bundles/smollm2
     dflash-train eval --bundle bundles/smollm2                # acceptance through ONNX Runtime
+    dflash-train ship out/drafter --out export/default_drafter  # int8 matrices, as the package ships it
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ def load_target(bundle):
 @click.option("--tokens", "answer_tokens", default=1_000_000, show_default=True,
               help="stop once the answers hold this many tokens")
 @click.option("--max-new-tokens", default=320, show_default=True)
-@click.option("--threads", default=0, help="torch threads (0: all cores)")
+@click.option("--threads", default=0, help="threads for torch and ONNX Runtime (0: all cores)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--target-dtype", type=click.Choice(["fp32", "int4"]), default="fp32", show_default=True,
               help="answer with the target as it runs in a bundle of this precision (int4: its MatMuls emulate "
@@ -93,7 +94,7 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
 @click.option("--mask-token-id", default=0, show_default=True)
 @click.option("--text-tokens", default=0, show_default=True,
               help="also label this many tokens of offline text (teacher-forced; see dflash/train/texts.py)")
-@click.option("--threads", default=0, help="torch threads (0: all cores)")
+@click.option("--threads", default=0, help="threads for torch and ONNX Runtime (0: all cores)")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--resume", is_flag=True, help="continue from OUT/checkpoint.pt")
 @click.option("--init", "init_from", type=click.Path(exists=True, file_okay=False),
@@ -216,6 +217,39 @@ def copying(bundle, data_dirs, prompts, max_new_tokens, json_out):
                    f"(+{t['lookup+suffix'] - t['lookup']:.2f})")
     if json_out:
         json_out.write_text(json.dumps(report, indent=1))
+
+
+@main.command()
+@click.argument("src", type=click.Path(exists=True, file_okay=False, path_type=Path))
+@click.option("--out", required=True, type=click.Path(file_okay=False, path_type=Path),
+              help="the folder to write (export/default_drafter ships with the package)")
+def ship(src, out):
+    """Write the DFlash drafter in SRC (a fit's OUT) compactly, as the package ships it: its
+    matrices int8 with a scale per row, half of bf16's size (see dflash/export/compact.py)."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    from dflash.export.compact import compact_state
+    from dflash.export.dflash import DFlashDrafter
+    from dflash.export.sources import SourceError
+
+    try:
+        drafter = DFlashDrafter.load(src)
+    except SourceError as e:
+        raise click.ClickException(f"{e} (ship takes the OUT folder of `dflash-train fit`)")
+    state = dict(drafter.state_dict())
+    if drafter.d2t is not None:
+        state["d2t"] = drafter.d2t
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.safetensors"):
+        stale.unlink()
+    save_file(compact_state(state), str(out / "model.safetensors"))
+    shutil.copyfile(src / "config.json", out / "config.json")
+    if (src / "training.png").is_file():
+        shutil.copyfile(src / "training.png", out / "training.png")
+    size = (out / "model.safetensors").stat().st_size / 1e6
+    click.echo(f"wrote {out}: {size:.1f} MB of weights (int8 matrices)")
 
 
 if __name__ == "__main__":

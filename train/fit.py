@@ -395,9 +395,12 @@ def labeller(target, target_dtype: str, bundle=None, taps=()):
     """The model whose forward gives the cache its features and labels: `bundle` (an exported
     target, run in ONNX Runtime), else the transformers target (int4: emulating MatMulQ4)."""
     if bundle is not None:
+        import torch
+
         from .ort_sampler import OrtLabeller
 
-        return OrtLabeller(bundle, list(taps), target.config.vocab_size)
+        # as many threads as torch was given (fit --threads), so a data job beside it keeps its core
+        return OrtLabeller(bundle, list(taps), target.config.vocab_size, threads=torch.get_num_threads())
     if target_dtype == "fp32":
         return target
     if target_dtype != "int4":
