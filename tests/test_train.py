@@ -150,6 +150,8 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     conversation = shards.messages(followup, {r["id"]: r for r in rows}, target.decode)
     assert [m["role"] for m in conversation[-3:]] == ["user", "assistant", "user"]
     assert all(len(r["greedy"]) == len(r["answer"]) for r in rows)
+    with pytest.raises(ValueError, match="resume it with the --id-prefix"):  # rows of another job's ids
+        run(target, tmp_path / "data", answer_tokens=400, max_new_tokens=16, echo=lambda m: None, prefix="rb")
     # answers from the target computing as an int4 bundle does, in a folder fitted alongside
     from copy import deepcopy
 

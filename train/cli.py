@@ -47,7 +47,9 @@ def load_target(bundle):
               help="torch: transformers, batched; ort: the bundle's own graph in ONNX Runtime, one answer at a "
                    "time, at its precision (an int4 bundle answers ~3x faster than --target-dtype int4; its "
                    "rows' ids start with q4o)")
-def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype, engine):
+@click.option("--id-prefix", help="start every row id with this instead (a second job beside another one, with its "
+                                  "own --out and --seed, needs its own so the two can be fitted together)")
+def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype, engine, id_prefix):
     """The target's own sampled answers to self-written, template, grounded and follow-up requests,
     in resumable shards (see dflash/train/data.py)."""
     import torch
@@ -70,8 +72,11 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
         from .int4_target import emulate_int4
 
         emulate_int4(source.model)
-    run(Target(source, sampler), out, answer_tokens, seed, max_new_tokens, echo=lambda m: click.echo(m, err=True),
-        prefix=prefix)
+    try:
+        run(Target(source, sampler), out, answer_tokens, seed, max_new_tokens,
+            echo=lambda m: click.echo(m, err=True), prefix=id_prefix or prefix)
+    except ValueError as e:
+        raise click.ClickException(str(e))
 
 
 @main.command()

@@ -10,6 +10,7 @@ with its argmax recorded at every position.  A round's random choices depend onl
 from __future__ import annotations
 
 import random
+import re
 import time
 from pathlib import Path
 
@@ -106,6 +107,9 @@ def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_to
     id, so folders answered by different targets (fp32, int4) can be fitted together."""
     out.mkdir(parents=True, exist_ok=True)
     done = shards.read_all(out)
+    if done and not re.fullmatch(re.escape(prefix) + r"\d{5}-\d{2}", done[0]["id"]):
+        raise ValueError(f"{out} holds rows with ids like {done[0]['id']}, not {prefix}...: resume it with the "
+                         "--id-prefix (and --target, --seed) it was started with")
     by_id = {r["id"]: r for r in done}
     seen = {prompts.dedup_key(r["messages"][0]["content"]) for r in done if r["source"] == "magpie"}
     total = sum(len(r["answer"]) for r in done)
