@@ -394,3 +394,19 @@ def test_ship_stores_int8_matrices_that_load_within_a_step_and_stay_lossless(qwe
             == plain.tokens
     refused = CliRunner().invoke(main, ["ship", str(tmp_path), "--out", str(tmp_path / "x")])
     assert refused.exit_code != 0 and "has no config.json" in refused.output and "Traceback" not in refused.output
+
+
+def test_the_shipped_drafter_is_stored_compactly_and_fits_the_default_model(default_bundle):
+    """export/default_drafter: int8 matrices (dflash-train ship), a draft vocabulary, and the
+    shape the default model's bundle takes (its taps and width), so `drafter default` exports."""
+    from safetensors import safe_open
+
+    from dflash.export.cli import DEFAULT_DRAFTER
+    from dflash.export.dflash import DFlashDrafter
+
+    with safe_open(str(DEFAULT_DRAFTER / "model.safetensors"), "pt") as f:
+        assert f.get_tensor("fc.weight").dtype == torch.int8
+    drafter = DFlashDrafter.load(DEFAULT_DRAFTER)
+    manifest = json.loads((default_bundle / "dflash.json").read_text())
+    assert set(drafter.config.target_layer_ids) <= set(manifest["taps"])
+    assert drafter.config.hidden_size == manifest["hidden_size"] and drafter.d2t is not None
