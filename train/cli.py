@@ -233,24 +233,19 @@ def ship(src, out):
     matrices int8 with a scale per row, half of bf16's size (see dflash/export/compact.py)."""
     import shutil
 
-    from safetensors.torch import save_file
-
-    from dflash.export.compact import compact_state
     from dflash.export.dflash import DFlashDrafter
     from dflash.export.sources import SourceError
+
+    from .fit import save
 
     try:
         drafter = DFlashDrafter.load(src)
     except SourceError as e:
         raise click.ClickException(f"{e} (ship takes the OUT folder of `dflash-train fit`)")
-    state = dict(drafter.state_dict())
-    if drafter.d2t is not None:
-        state["d2t"] = drafter.d2t
     out.mkdir(parents=True, exist_ok=True)
     for stale in out.glob("*.safetensors"):
         stale.unlink()
-    save_file(compact_state(state), str(out / "model.safetensors"))
-    shutil.copyfile(src / "config.json", out / "config.json")
+    save(drafter, drafter.config, drafter.d2t, out, compact=True)
     if (src / "training.png").is_file():
         shutil.copyfile(src / "training.png", out / "training.png")
     size = (out / "model.safetensors").stat().st_size / 1e6

@@ -10,7 +10,6 @@ with its argmax recorded at every position.  A round's random choices depend onl
 from __future__ import annotations
 
 import random
-import re
 import time
 from pathlib import Path
 
@@ -107,7 +106,7 @@ def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_to
     id, so folders answered by different targets (fp32, int4) can be fitted together."""
     out.mkdir(parents=True, exist_ok=True)
     done = shards.read_all(out)
-    if done and not re.fullmatch(re.escape(prefix) + r"\d{5}-\d{2}", done[0]["id"]):
+    if done and not done[0]["id"].startswith(round_id(prefix, 0)):  # shards are read in round order
         raise ValueError(f"{out} holds rows with ids like {done[0]['id']}, not {prefix}...: resume it with the "
                          "--id-prefix (and --target, --seed) it was started with")
     by_id = {r["id"]: r for r in done}

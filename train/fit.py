@@ -543,14 +543,19 @@ def held_out_tau(drafter, rows, cache: LabelCache, held_ids, embed, lm_head, cos
     return 1 + sum(accepted) / max(len(accepted), 1)
 
 
-def save(drafter, config, d2t, out: Path) -> None:
-    """The drafter as a z-lab-layout folder: config.json + model.safetensors."""
+def save(drafter, config, d2t, out: Path, compact: bool = False) -> None:
+    """The drafter as a z-lab-layout folder: config.json + model.safetensors; `compact`: its
+    matrices int8, as the package ships it (export/compact.py)."""
     from safetensors.torch import save_file
 
     import torch
 
+    from dflash.export.compact import compact_state
+
+    state = drafter.state_dict()
     # bf16 like the published checkpoints: half the size, and the loader runs it in fp32
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
+    state = compact_state(state) if compact else {k: v.detach().to(torch.bfloat16).contiguous()
+                                                  for k, v in state.items()}
     if d2t is not None:
         state["d2t"] = d2t.contiguous()
     (out / "config.json").write_text(json.dumps(config.raw, indent=1))
