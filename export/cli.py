@@ -74,25 +74,30 @@ def main():
                    "the default with --attention custom) or nbits (ORT MatMulNBits, with a padding row for "
                    "exact speculation)")
 @click.option("--overwrite", is_flag=True, help="replace an existing bundle folder")
-def target(src, out, dtype, max_len, taps, attention, matmul, overwrite):
+@click.option("--batched", is_flag=True,
+              help="also write the batched target graph (many sequences per run, each with its own cache), "
+                   "with which `dflash-train data --engine ort` answers many prompts at once")
+def target(src, out, dtype, max_len, taps, attention, matmul, overwrite, batched):
     """Export the target model SRC: a Hugging Face model folder, a .gguf file, or 'default'."""
     try:
-        export_target(src, out, dtype, max_len, taps, attention, overwrite, matmul=matmul)
+        export_target(src, out, dtype, max_len, taps, attention, overwrite, matmul=matmul, batched=batched)
     except (SourceError, DiskFullError, FileExistsError) as e:
         raise click.ClickException(str(e))
 
 
 def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="custom", overwrite=False,
-                  source=None, matmul=None):
+                  source=None, matmul=None, batched=False):
     """Export SRC (or an already loaded `source`) as a target bundle in `out`."""
     from . import sources
     from .bundle import eos_token_ids, staging, write_manifest, write_tokenizer
-    from .check import check_target
-    from .quantize import kernel_for, quantize
-    from .target import export_onnx, kv_layout
+    from .check import check_batched, check_target
+    from .quantize import kernel_for
+    from .target import kv_layout
 
     matmul = kernel_for(dtype, attention, matmul)  # q4, q8: rows round alike for any row count
-    progress = Progress(5 if dtype == "fp32" else 6)
+    if batched and attention != "custom":
+        raise SourceError(f"--batched needs --attention custom (this project's ops), not {attention}")
+    progress = Progress((5 if dtype == "fp32" else 6) + ((2 if dtype == "fp32" else 3) if batched else 0))
     progress(f"loading {src}")
     source = source or sources.load(src)
     config = source.model.config
@@ -103,19 +108,16 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
         progress(f"exporting the {source.architecture} target graph "
                  f"({sum(p.numel() for p in source.model.parameters()) / 1e6:.0f}M parameters, "
                  f"attention {attention}, capacity {max_len})")
-        fp32_path = folder / "target.onnx"
-        export_onnx(source.model, tap_ids, max_len, attention, fp32_path)
-        graph = "target.onnx"
-        if dtype != "fp32":
-            progress(f"quantizing to {dtype} ({ {'q4': 'MatMulQ4', 'q8': 'MatMulQ8'}.get(matmul, 'MatMulNBits')})")
-            graph = f"target_{dtype}.onnx"
-            quantize(fp32_path, folder / graph, dtype, matmul)
-            fp32_path.unlink()
-            (folder / "target.onnx.data").unlink()
+        graphs = {"target": {"file": export_graph(source.model, tap_ids, max_len, attention, folder, "target",
+                                                  dtype, matmul, progress), "dtype": dtype, "matmul": matmul}}
+        if batched:
+            progress("exporting the batched target graph")
+            graphs["target_batched"] = {**graphs["target"], "file": export_graph(
+                source.model, tap_ids, max_len, attention, folder, "target_batched", dtype, matmul, progress, True)}
         progress("writing tokenizer and manifest")
         manifest = {
             "model_id": source.model_id, "source": source.path, "architecture": source.architecture,
-            "graphs": {"target": {"file": graph, "dtype": dtype, "matmul": matmul}},
+            "graphs": graphs,
             "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
             "max_len": max_len, "kv": kv_layout(config), "taps": tap_ids,
             "attention": attention, "ops_library": "dflash_ops" if attention == "custom" else None,
@@ -135,9 +137,34 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
                               "above); nothing was written. This is a bug in the exporter or the op library: "
                               "please report it with the command you ran")
         manifest["export_check"] = diff
+        if batched:
+            progress("checking the batched graph against the target graph, sequence by sequence")
+            if not check_batched(folder):
+                raise SourceError("the batched target graph does not give each sequence what the target graph "
+                                  "gives it alone; nothing was written. This is a bug in the exporter or the op "
+                                  "library: please report it with the command you ran")
         write_manifest(folder, manifest)
     progress(f"bundle written to {out}")
     return manifest
+
+
+def export_graph(model, tap_ids, max_len, attention, folder: Path, name: str, dtype, matmul, progress,
+                 batched=False) -> str:
+    """Export the target graph as folder/NAME.onnx, quantized to `dtype` (then NAME_DTYPE.onnx, the
+    fp32 one removed): the file name."""
+    from .quantize import quantize
+    from .target import export_onnx
+
+    fp32_path = folder / f"{name}.onnx"
+    export_onnx(model, tap_ids, max_len, attention, fp32_path, batched=batched)
+    if dtype == "fp32":
+        return fp32_path.name
+    progress(f"quantizing to {dtype} ({ {'q4': 'MatMulQ4', 'q8': 'MatMulQ8'}.get(matmul, 'MatMulNBits')})")
+    graph = f"{name}_{dtype}.onnx"
+    quantize(fp32_path, folder / graph, dtype, matmul)
+    fp32_path.unlink()
+    (folder / f"{name}.onnx.data").unlink()
+    return graph
 
 
 @main.command("draft-lm")

@@ -15,7 +15,9 @@ instead of dozens (node dispatch, not arithmetic, dominates a one-token step):
   this project's ``ai.dflash.TreeAttention`` (``custom``).  Contract for both: query
   ``[1,S,H*D]``, key/value ``[1,S,Hkv*D]`` with rotary applied; caches ``[1,Hkv,C,D]``;
   ``past_len`` int64 scalar; ``mask [S,S]`` bool over the new rows.  Outputs: attention
-  ``[1,S,H*D]`` and the caches with new rows written at ``past_len..past_len+S-1``;
+  ``[1,S,H*D]`` and the caches with new rows written at ``past_len..past_len+S-1``.
+  With ``custom`` the batch may be B > 1 (the batched data graph): every tensor's first
+  dimension is B and ``past_len`` is ``[B]``, one length per sequence;
 - ``dflash::packed_attention`` (projection output [q|k|v], rotary inside) ->
   ``ai.dflash.PackedTreeAttention``: one node for Split + 2 RotaryEmbedding + attention,
   used with ``custom`` for models without q/k norms;
@@ -79,11 +81,10 @@ def _(x):
 @torch.library.custom_op("dflash::rotary", mutates_args=())
 def rotary(x: torch.Tensor, position_ids: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
            num_heads: int) -> torch.Tensor:
-    """Rotate-half rotary on x [1,S,N*D]; cos/sin tables [max_pos, D/2]."""
-    s = x.shape[1]
-    xs = x.view(1, s, num_heads, -1)
+    """Rotate-half rotary on x [B,S,N*D]; cos/sin tables [max_pos, D/2]."""
+    xs = x.view(x.shape[0], x.shape[1], num_heads, -1)
     half = xs.shape[-1] // 2
-    c, n = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # [1,S,1,D/2]
+    c, n = cos[position_ids].unsqueeze(2), sin[position_ids].unsqueeze(2)  # [B,S,1,D/2]
     x1, x2 = xs[..., :half], xs[..., half:]
     return torch.cat([x1 * c - x2 * n, x2 * c + x1 * n], dim=-1).reshape(x.shape)
 
@@ -98,19 +99,21 @@ def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      key_cache: torch.Tensor, value_cache: torch.Tensor, past_len: torch.Tensor,
                      mask: torch.Tensor, scale: float, num_heads: int, kv_num_heads: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    past, s = int(past_len), query.shape[1]
-    head_dim = key_cache.shape[-1]
+    s, head_dim = query.shape[1], key_cache.shape[-1]
+    pasts = past_len.reshape(-1).expand(query.shape[0])  # one length for all, or one per sequence
     present_k, present_v = key_cache.clone(), value_cache.clone()
-    present_k[0, :, past : past + s] = key[0].view(s, kv_num_heads, head_dim).transpose(0, 1)
-    present_v[0, :, past : past + s] = value[0].view(s, kv_num_heads, head_dim).transpose(0, 1)
     group = num_heads // kv_num_heads
-    k = present_k[0, :, : past + s].repeat_interleave(group, dim=0)  # [H, T, D]
-    v = present_v[0, :, : past + s].repeat_interleave(group, dim=0)
-    q = query[0].view(s, num_heads, head_dim).transpose(0, 1)  # [H, S, D]
-    visible = torch.cat([torch.ones(s, past, dtype=torch.bool), mask], dim=1)
-    scores = ((q @ k.transpose(1, 2)) * scale).masked_fill(~visible, float("-inf"))
-    out = torch.softmax(scores, dim=-1) @ v  # [H, S, D]
-    return out.transpose(0, 1).reshape(1, s, num_heads * head_dim), present_k, present_v
+    out = query.new_empty(query.shape)
+    for b, past in enumerate(pasts.tolist()):
+        present_k[b, :, past : past + s] = key[b].view(s, kv_num_heads, head_dim).transpose(0, 1)
+        present_v[b, :, past : past + s] = value[b].view(s, kv_num_heads, head_dim).transpose(0, 1)
+        k = present_k[b, :, : past + s].repeat_interleave(group, dim=0)  # [H, T, D]
+        v = present_v[b, :, : past + s].repeat_interleave(group, dim=0)
+        q = query[b].view(s, num_heads, head_dim).transpose(0, 1)  # [H, S, D]
+        visible = torch.cat([torch.ones(s, past, dtype=torch.bool), mask], dim=1)
+        scores = ((q @ k.transpose(1, 2)) * scale).masked_fill(~visible, float("-inf"))
+        out[b] = (torch.softmax(scores, dim=-1) @ v).transpose(0, 1).reshape(s, num_heads * head_dim)  # [S, H*D]
+    return out, present_k, present_v
 
 
 @cached_attention.register_fake

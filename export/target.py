@@ -6,6 +6,11 @@ Inputs   input_ids [1,S] int64, position_ids [1,S] int64 (prefix length + tree d
 Outputs  logits [1,S,V], taps [1,S,T*H] (outputs of the tap layers, concatenated),
          present_key_i / present_value_i: the same buffers with rows past_len..past_len+S-1
          written; the runtime binds them to the past buffers so the update is in place.
+
+The batched graph (`export --batched`, for the training data job) is the same decoder over B
+sequences: every input and output has B as its first dimension, past_len is [B] (each
+sequence's own length), the caches are [B,Hkv,C,D] with any capacity C, and one tree_mask
+serves all sequences.  Each sequence gets the bits it gets alone.
 """
 
 from __future__ import annotations
@@ -65,8 +70,8 @@ class DecoderLayer(torch.nn.Module):
     def _head_norm(self, norm, x, heads):
         if norm is None:
             return x
-        s = x.shape[1]
-        return ops.rms_norm(x.view(1, s, heads, self.head_dim), norm.weight, self.eps).view(1, s, -1)
+        b, s = x.shape[:2]
+        return ops.rms_norm(x.view(b, s, heads, self.head_dim), norm.weight, self.eps).view(b, s, -1)
 
     def forward(self, x, hidden, position_ids, cos, sin, io, i, next_norm):
         """x = input_norm(hidden) -> (next_norm(new hidden), new hidden): each residual add is
@@ -161,29 +166,39 @@ def kv_layout(config) -> dict:
             "heads": config.num_attention_heads, "head_dim": head_dim}
 
 
-def example_inputs(config, max_len: int, s: int = 3, past: int = 2, seed: int = 0):
-    """Random inputs of the graph's form: S new rows (causal) after `past` cached rows."""
+def example_inputs(config, max_len: int, s: int = 3, past: int = 2, seed: int = 0, batch: int | None = None):
+    """Random inputs of the graph's form: S new rows (causal) after `past` cached rows.  `batch`:
+    that many sequences, sequence b after past + b rows (past_len [B]); None: one, past_len []."""
     g = torch.Generator().manual_seed(seed)
     layout = kv_layout(config)
-    ids = torch.randint(0, config.vocab_size, (1, s), generator=g)
-    pos = torch.arange(past, past + s).unsqueeze(0)
+    pasts = torch.arange(past, past + (batch or 1))
+    ids = torch.randint(0, config.vocab_size, (batch or 1, s), generator=g)
+    pos = pasts[:, None] + torch.arange(s)[None, :]
     mask = torch.ones(s, s, dtype=torch.bool).tril()
-    shape = (1, layout["kv_heads"], max_len, layout["head_dim"])
+    shape = (batch or 1, layout["kv_heads"], max_len, layout["head_dim"])
     caches = [torch.randn(shape, generator=g) * 0.5 for _ in range(2 * layout["layers"])]
-    return (ids, pos, mask, torch.tensor(past, dtype=torch.int64), *caches)
+    past_len = pasts if batch else torch.tensor(past, dtype=torch.int64)
+    return (ids, pos, mask, past_len, *caches)
 
 
-def export_onnx(model, taps: list[int], max_len: int, attention: str, path) -> None:
-    """torch.onnx.export(dynamo=True) of the target graph into `path` (+ external data)."""
+def export_onnx(model, taps: list[int], max_len: int, attention: str, path, batched: bool = False) -> None:
+    """torch.onnx.export(dynamo=True) of the target graph into `path` (+ external data); `batched`:
+    the batched graph (see the module docstring)."""
+    if batched and attention != "custom":
+        raise ValueError(f"a batched target graph needs --attention custom (this project's ops), not {attention}")
     graph = TargetGraph(model, taps, max_len, fused_ops=attention == "custom").eval()
     n = model.config.num_hidden_layers
     past, present = cache_names(n)
     s = torch.export.Dim("S", min=1, max=max_len)
     dynamic = {"input_ids": {1: s}, "position_ids": {1: s}, "tree_mask": {0: s, 1: s},
                "past_len": None, "caches": (None,) * (2 * n)}
+    if batched:
+        b, c = torch.export.Dim("B", min=1, max=1024), torch.export.Dim("C", min=2, max=max_len)
+        dynamic.update(input_ids={0: b, 1: s}, position_ids={0: b, 1: s}, past_len={0: b},
+                       caches=({0: b, 2: c},) * (2 * n))
     with torch.no_grad():
         # torch.export first: torch.onnx.export's own wrapper mangles the varargs' dynamic shapes.
-        exported = torch.export.export(graph, example_inputs(model.config, max_len),
+        exported = torch.export.export(graph, example_inputs(model.config, max_len, batch=2 if batched else None),
                                        dynamic_shapes=dynamic, strict=False)
         program = torch.onnx.export(
             exported, dynamo=True,

@@ -1,24 +1,27 @@
 // TreeAttention: attention over a fixed-capacity KV cache plus new rows under an arbitrary mask,
-// as an ONNX Runtime custom op (domain "ai.dflash", version 1).
+// as an ONNX Runtime custom op (domain "ai.dflash", version 1), for B sequences at once (B = 1 in
+// the runtime's graphs; a batched graph answers many requests together, each with its own cache).
 //
 // Inputs
-//   0 query       float [1, S, H*D]        rotary already applied
-//   1 key         float [1, S_kv, Hkv*D]   new key rows, rotary already applied
-//   2 value       float [1, S_kv, Hkv*D]   new value rows
-//   3 key_cache   float [1, Hkv, C, D]     rows < past_len are valid
-//   4 value_cache float [1, Hkv, C, D]
-//   5 past_len    int64 (or int32), shape [] or [1]
+//   0 query       float [B, S, H*D]        rotary already applied
+//   1 key         float [B, S_kv, Hkv*D]   new key rows, rotary already applied
+//   2 value       float [B, S_kv, Hkv*D]   new value rows
+//   3 key_cache   float [B, Hkv, C, D]     sequence b's rows < its past_len are valid
+//   4 value_cache float [B, Hkv, C, D]
+//   5 past_len    int64 (or int32), shape [] or [1] (every sequence), or [B] (one per sequence)
 //   6 mask        bool  [S, S_kv]          query row i may attend new row j iff mask[i, j]
-//                                          (causal, tree = ancestor-or-self, all-true = bidirectional)
+//                                          (causal, tree = ancestor-or-self, all-true = bidirectional),
+//                                          the same for every sequence
 // Attributes
 //   num_heads (int, H), kv_num_heads (int, Hkv; H must be a multiple), scale (float, default
 //   1/sqrt(D)). D = key width / Hkv.
 // Outputs
-//   0 output        float [1, S, H*D]
-//   1 present_key   float [1, Hkv, C, D]
-//   2 present_value float [1, Hkv, C, D]
+//   0 output        float [B, S, H*D]
+//   1 present_key   float [B, Hkv, C, D]
+//   2 present_value float [B, Hkv, C, D]
 //
 // Behaviour
+//   Each sequence is computed as it would be alone, bit for bit.
 //   present_* = the input caches with the new rows written at rows past_len .. past_len+S_kv-1.
 //   When a present output is the same memory as its cache input (IOBinding of one buffer to both,
 //   the normal case), only the new rows are written, in place; otherwise the input cache is first
@@ -343,11 +346,6 @@ void merge_item(const Plan& p, int64_t item) {
   }
 }
 
-// fn(plan, i) for the n work items of an attention call, on ORT's pool.
-void run_items(OrtKernelContext* ctx, const Plan& plan, void (*fn)(const Plan&, int64_t), int64_t n) {
-  parallel_for(ctx, n, [&](int64_t i) { fn(plan, i); }, "out of memory for the attention scratch buffers");
-}
-
 // Copy the whole input cache into a distinct output buffer, one kv head per task.
 void copy_cache(OrtKernelContext* ctx, const float* src, float* dst, int64_t heads, size_t per_head) {
   if (src == dst || per_head == 0) return;
@@ -361,48 +359,103 @@ void copy_cache(OrtKernelContext* ctx, const float* src, float* dst, int64_t hea
   }, "cache copy failed");
 }
 
-// Attention of S query rows (q [S, H*D], unscaled) over cache rows < past plus the new rows
-// past..past+Skv-1 already written into pk / pv, under mask [S, Skv]; into out [S, H*D].
+// Attention of B sequences at once. Sequence b: S query rows (q + b*S*H*D, unscaled) over its cache
+// rows < pasts[b] plus its new rows pasts[b]..pasts[b]+Skv-1 already written into its caches
+// (pk / pv + b*Hkv*C*D), under the one mask [S, Skv]; into out + b*S*H*D. Every sequence gets the
+// plan it would get alone (so its bits do not depend on the batch), and the work items of all of
+// them share one pass over the pool.
 void attend(OrtKernelContext* context, const Kernels* kern, const float* q, const uint8_t* mask, const float* pk,
-            const float* pv, float* out, int64_t S, int64_t Skv, int64_t H, int64_t Hkv, int64_t D, int64_t C,
-            int64_t past, float scale) {
-  Plan plan{};
-  plan.q = q;
-  plan.mask = mask;
-  plan.kc = pk;
-  plan.vc = pv;
-  plan.out = out;
-  plan.S = S;
-  plan.Skv = Skv;
-  plan.H = H;
-  plan.Hkv = Hkv;
-  plan.G = H / Hkv;
-  plan.D = D;
-  plan.C = C;
-  plan.past = past;
-  plan.T = past + Skv;
-  plan.qscale = scale * 1.4426950408889634f;  // log2(e): the softmax works in base 2
-  plan.kern = kern;
-  make_plan(plan);
+            const float* pv, float* out, int64_t B, int64_t S, int64_t Skv, int64_t H, int64_t Hkv, int64_t D,
+            int64_t C, const int64_t* pasts, float scale) {
+  static thread_local std::vector<Plan> plans;
   static thread_local std::vector<uint8_t> regroup;
-  regroup.assign(static_cast<size_t>(S), 0);
-  for (int64_t i = 0; i < S; ++i) {
-    // Its k-th new row j in another block than rank past + k: only after a gap, across a block edge.
-    const uint8_t* row = mask + i * Skv;
-    for (int64_t j = 0, k = 0; j < Skv; ++j)
-      if (row[j]) regroup[i] |= (past + j) / kKeyBlock != (past + k++) / kKeyBlock;
+  static thread_local std::vector<int64_t> first_item, first_merge;  // prefix sums over the sequences
+  static thread_local Scratch partial;
+  plans.assign(static_cast<size_t>(B), Plan{});
+  regroup.assign(static_cast<size_t>(B * S), 0);
+  first_item.assign(static_cast<size_t>(B + 1), 0);
+  first_merge.assign(static_cast<size_t>(B + 1), 0);
+  std::vector<size_t> partial_at(static_cast<size_t>(B), 0);
+  size_t partial_size = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    Plan& plan = plans[b];
+    const int64_t past = pasts[b];
+    plan.q = q + b * S * H * D;
+    plan.mask = mask;
+    plan.kc = pk + b * Hkv * C * D;
+    plan.vc = pv + b * Hkv * C * D;
+    plan.out = out + b * S * H * D;
+    plan.S = S;
+    plan.Skv = Skv;
+    plan.H = H;
+    plan.Hkv = Hkv;
+    plan.G = H / Hkv;
+    plan.D = D;
+    plan.C = C;
+    plan.past = past;
+    plan.T = past + Skv;
+    plan.qscale = scale * 1.4426950408889634f;  // log2(e): the softmax works in base 2
+    plan.kern = kern;
+    make_plan(plan);
+    uint8_t* rows = regroup.data() + b * S;
+    for (int64_t i = 0; i < S; ++i) {
+      // Its k-th new row j in another block than rank past + k: only after a gap, across a block edge.
+      const uint8_t* row = mask + i * Skv;
+      for (int64_t j = 0, k = 0; j < Skv; ++j)
+        if (row[j]) rows[i] |= (past + j) / kKeyBlock != (past + k++) / kKeyBlock;
+    }
+    plan.regroup = rows;
+    plan.tail_begin = past / kKeyBlock * kKeyBlock;
+    const int64_t n_groups = Hkv * plan.n_qgroups;
+    first_item[b + 1] = first_item[b] + n_groups * plan.n_chunks;
+    first_merge[b + 1] = first_merge[b] + (plan.n_chunks > 1 ? n_groups : 0);
+    partial_at[b] = partial_size;
+    if (plan.n_chunks > 1) partial_size += static_cast<size_t>(n_groups * plan.n_chunks * plan.vmax * (2 + D));
   }
-  plan.regroup = regroup.data();
-  plan.tail_begin = past / kKeyBlock * kKeyBlock;
-
-  const int64_t n_groups = Hkv * plan.n_qgroups;
-  if (plan.n_chunks > 1) {
+  if (partial_size > 0) {
     // Partial results live in the calling thread's scratch; pool threads only write into it.
-    static thread_local Scratch partial;
-    plan.partial = partial.get(static_cast<size_t>(n_groups * plan.n_chunks * plan.vmax * (2 + D)));
+    float* base = partial.get(partial_size);
+    for (int64_t b = 0; b < B; ++b) plans[b].partial = base + partial_at[b];
   }
-  run_items(context, plan, run_item, n_groups * plan.n_chunks);
-  if (plan.n_chunks > 1) run_items(context, plan, merge_item, n_groups);
+  // The pool's threads see their own thread_locals: hand them the calling thread's arrays.
+  const Plan* P = plans.data();
+  const int64_t* items = first_item.data();
+  const int64_t* merges = first_merge.data();
+  auto owner = [B](const int64_t* first, int64_t i) {  // the sequence whose items hold item i
+    return static_cast<int64_t>(std::upper_bound(first, first + B + 1, i) - first) - 1;
+  };
+  parallel_for(context, items[B], [&](int64_t i) {
+    const int64_t b = owner(items, i);
+    run_item(P[b], i - items[b]);
+  }, "out of memory for the attention scratch buffers");
+  parallel_for(context, merges[B], [&](int64_t i) {
+    const int64_t b = owner(merges, i);
+    merge_item(P[b], i - merges[b]);
+  }, "out of memory for the attention scratch buffers");
+}
+
+// past_len: one length for every sequence (shape [] or [1]) or one per sequence ([B]); int64 or int32.
+// Each must leave room for `rows` new rows in a cache of `C` rows.
+std::vector<int64_t> read_pasts(const Ort::ConstValue& past_in, int64_t B, int64_t rows, int64_t C,
+                                const char* prefix) {
+  const auto info = past_in.GetTensorTypeAndShapeInfo();
+  const auto shape = info.GetShape();
+  const int64_t n = static_cast<int64_t>(info.GetElementCount());
+  if (shape.size() > 1 || (n != 1 && n != B))
+    fail(prefix, "past_len must be a scalar (shape [] or [1]) or one length per sequence (shape [", B, "]), got shape ",
+         shape_str(shape));
+  std::vector<int64_t> pasts(static_cast<size_t>(B));
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t i = n == 1 ? 0 : b;
+    switch (info.GetElementType()) {
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: pasts[b] = past_in.GetTensorData<int64_t>()[i]; break;
+      case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: pasts[b] = past_in.GetTensorData<int32_t>()[i]; break;
+      default: fail(prefix, "past_len must be int64 (or int32), got ", dtype_name(info.GetElementType()));
+    }
+    if (pasts[b] < 0) fail(prefix, "past_len ", pasts[b], " is negative");
+    if (pasts[b] > C - rows) fail(prefix, "past_len ", pasts[b], " + ", rows, " new rows exceeds cache capacity ", C);
+  }
+  return pasts;
 }
 
 // What both attention kernels are made with (create_attention_kernel): heads, scale, kernels.
@@ -464,15 +517,15 @@ struct TreeAttentionKernel : AttentionKernelBase {
     const auto vshape = value.GetTensorTypeAndShapeInfo().GetShape();
     const auto kcshape = key_cache.GetTensorTypeAndShapeInfo().GetShape();
     const auto vcshape = value_cache.GetTensorTypeAndShapeInfo().GetShape();
-    const auto past_info = past_in.GetTensorTypeAndShapeInfo();
     const auto mask_info = mask_in.GetTensorTypeAndShapeInfo();
     const auto mshape = mask_info.GetShape();
 
     const int64_t H = num_heads, Hkv = kv_num_heads;
-    if (qshape.size() != 3 || qshape[0] != 1)
-      fail("query must have shape [1, S, num_heads*head_dim], got ", shape_str(qshape));
-    if (kshape.size() != 3 || kshape[0] != 1)
-      fail("key must have shape [1, S_kv, kv_num_heads*head_dim], got ", shape_str(kshape));
+    if (qshape.size() != 3 || qshape[0] < 1)
+      fail("query must have shape [B, S, num_heads*head_dim], got ", shape_str(qshape));
+    const int64_t B = qshape[0];
+    if (kshape.size() != 3 || kshape[0] != B)
+      fail("key must have shape [", B, ", S_kv, kv_num_heads*head_dim], got ", shape_str(kshape));
     if (vshape != kshape) fail("value shape ", shape_str(vshape), " differs from key shape ", shape_str(kshape));
     if (kshape[2] <= 0 || kshape[2] % Hkv != 0)
       fail("key width ", kshape[2], " is not a positive multiple of kv_num_heads ", Hkv);
@@ -480,22 +533,13 @@ struct TreeAttentionKernel : AttentionKernelBase {
     if (qshape[2] != H * D)
       fail("query width ", qshape[2], " != num_heads ", H, " * head_dim ", D, " (head_dim = key width ",
            kshape[2], " / kv_num_heads ", Hkv, ")");
-    if (kcshape.size() != 4 || kcshape[0] != 1 || kcshape[1] != Hkv || kcshape[3] != D)
-      fail("key_cache must have shape [1, ", Hkv, ", capacity, ", D, "], got ", shape_str(kcshape));
+    if (kcshape.size() != 4 || kcshape[0] != B || kcshape[1] != Hkv || kcshape[3] != D)
+      fail("key_cache must have shape [", B, ", ", Hkv, ", capacity, ", D, "], got ", shape_str(kcshape));
     if (vcshape != kcshape)
       fail("value_cache shape ", shape_str(vcshape), " differs from key_cache shape ", shape_str(kcshape));
     const int64_t C = kcshape[2];
 
-    if (past_info.GetElementCount() != 1 || past_info.GetShape().size() > 1)
-      fail("past_len must be a scalar (shape [] or [1]), got shape ", shape_str(past_info.GetShape()));
-    int64_t past = 0;
-    switch (past_info.GetElementType()) {
-      case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: past = past_in.GetTensorData<int64_t>()[0]; break;
-      case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: past = past_in.GetTensorData<int32_t>()[0]; break;
-      default: fail("past_len must be int64 (or int32), got ", dtype_name(past_info.GetElementType()));
-    }
-    if (past < 0) fail("past_len ", past, " is negative");
-    if (past > C - Skv) fail("past_len ", past, " + ", Skv, " new rows exceeds cache capacity ", C);
+    const std::vector<int64_t> pasts = read_pasts(past_in, B, Skv, C, "");
 
     if (mask_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL)
       fail("mask must be bool, got ", dtype_name(mask_info.GetElementType()));
@@ -513,23 +557,24 @@ struct TreeAttentionKernel : AttentionKernelBase {
 
     // present = cache: nothing to do when IOBinding gave us the same buffer, else copy it over.
     const size_t per_head = static_cast<size_t>(C * D);
-    copy_cache(context, kc, pk, Hkv, per_head);
-    copy_cache(context, vc, pv, Hkv, per_head);
+    copy_cache(context, kc, pk, B * Hkv, per_head);
+    copy_cache(context, vc, pv, B * Hkv, per_head);
 
-    // Write the new rows: key row j, kv head g -> present row past + j of head g.
+    // Write the new rows: sequence b's key row j, kv head g -> its present row past_b + j of head g.
     const float* knew = key.GetTensorData<float>();
     const float* vnew = value.GetTensorData<float>();
-    for (int64_t g = 0; g < Hkv; ++g)
-      for (int64_t j = 0; j < Skv; ++j) {
-        const int64_t dst = (g * C + past + j) * D, src = j * Hkv * D + g * D;
-        std::memcpy(pk + dst, knew + src, static_cast<size_t>(D) * sizeof(float));
-        std::memcpy(pv + dst, vnew + src, static_cast<size_t>(D) * sizeof(float));
-      }
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t g = 0; g < Hkv; ++g)
+        for (int64_t j = 0; j < Skv; ++j) {
+          const int64_t dst = ((b * Hkv + g) * C + pasts[b] + j) * D, src = (b * Skv + j) * Hkv * D + g * D;
+          std::memcpy(pk + dst, knew + src, static_cast<size_t>(D) * sizeof(float));
+          std::memcpy(pv + dst, vnew + src, static_cast<size_t>(D) * sizeof(float));
+        }
     if (S == 0) return;
 
     attend(context, kern, query.GetTensorData<float>(),
-           reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, out, S, Skv, H, Hkv, D, C,
-           past, scale_for(D));
+           reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, out, B, S, Skv, H, Hkv, D, C,
+           pasts.data(), scale_for(D));
   }
 };
 
@@ -569,15 +614,15 @@ struct TreeAttentionOp : Ort::CustomOpBase<TreeAttentionOp, TreeAttentionKernel,
 // ---- PackedTreeAttention: the projection's packed output in, rotary applied in the op ----------
 //
 // Inputs
-//   0 qkv          float [1, S, (H + 2*Hkv)*D]   q heads, then k heads, then v heads (no rotary yet)
-//   1 key_cache    float [1, Hkv, C, D]
-//   2 value_cache  float [1, Hkv, C, D]
-//   3 past_len     int64 scalar
+//   0 qkv          float [B, S, (H + 2*Hkv)*D]   q heads, then k heads, then v heads (no rotary yet)
+//   1 key_cache    float [B, Hkv, C, D]
+//   2 value_cache  float [B, Hkv, C, D]
+//   3 past_len     int64 (or int32), shape [] or [1], or [B]
 //   4 mask         bool  [S, S]
-//   5 position_ids int64 [1, S]                  rotary position of each new row
+//   5 position_ids int64 [B, S]                  rotary position of each new row
 //   6 cos_cache    float [P, D/2]                cos/sin tables of the model's rotary embedding
 //   7 sin_cache    float [P, D/2]
-// Same attributes and outputs as TreeAttention (output [1, S, H*D]). Rotary is rotate-half:
+// Same attributes and outputs as TreeAttention (output [B, S, H*D]). Rotary is rotate-half:
 // y[i] = x[i]*cos - x[i+D/2]*sin, y[i+D/2] = x[i+D/2]*cos + x[i]*sin, for q and k. One node
 // instead of Split + two RotaryEmbedding + TreeAttention (node dispatch dominates a decode step).
 constexpr const char* kPackedOpName = "PackedTreeAttention";
@@ -609,25 +654,22 @@ struct PackedTreeAttentionKernel : AttentionKernelBase {
     const auto cshape = cos_in.GetTensorTypeAndShapeInfo().GetShape();
     const int64_t H = num_heads, Hkv = kv_num_heads, heads = H + 2 * Hkv;
 
-    if (xshape.size() != 3 || xshape[0] != 1 || xshape[2] <= 0 || xshape[2] % heads != 0 || xshape[2] / heads % 2)
-      fail("packed: qkv must have shape [1, S, (num_heads + 2*kv_num_heads) * head_dim] with an even head_dim, got ",
+    if (xshape.size() != 3 || xshape[0] < 1 || xshape[2] <= 0 || xshape[2] % heads != 0 || xshape[2] / heads % 2)
+      fail("packed: qkv must have shape [B, S, (num_heads + 2*kv_num_heads) * head_dim] with an even head_dim, got ",
            shape_str(xshape));
-    const int64_t S = xshape[1], D = xshape[2] / heads, half = D / 2, W = xshape[2];
-    if (kcshape.size() != 4 || kcshape[0] != 1 || kcshape[1] != Hkv || kcshape[3] != D)
-      fail("packed: key_cache must have shape [1, ", Hkv, ", capacity, ", D, "], got ", shape_str(kcshape));
+    const int64_t B = xshape[0], S = xshape[1], D = xshape[2] / heads, half = D / 2, W = xshape[2];
+    if (kcshape.size() != 4 || kcshape[0] != B || kcshape[1] != Hkv || kcshape[3] != D)
+      fail("packed: key_cache must have shape [", B, ", ", Hkv, ", capacity, ", D, "], got ", shape_str(kcshape));
     if (value_cache.GetTensorTypeAndShapeInfo().GetShape() != kcshape)
       fail("packed: value_cache shape differs from key_cache shape ", shape_str(kcshape));
     const int64_t C = kcshape[2];
-    if (past_in.GetTensorTypeAndShapeInfo().GetElementCount() != 1 ||
-        past_in.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64)
-      fail("packed: past_len must be an int64 scalar");
-    const int64_t past = past_in.GetTensorData<int64_t>()[0];
-    if (past < 0 || past > C - S) fail("packed: past_len ", past, " + ", S, " new rows exceeds cache capacity ", C);
+    const std::vector<int64_t> pasts = read_pasts(past_in, B, S, C, "packed: ");
     if (mask_in.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL ||
         mshape.size() != 2 || mshape[0] != S || mshape[1] != S)
       fail("packed: mask must be bool [S, S] = [", S, ", ", S, "], got ", shape_str(mshape));
-    if (pinfo.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 || pinfo.GetElementCount() != static_cast<size_t>(S))
-      fail("packed: position_ids must be int64 [1, S] with S = ", S);
+    if (pinfo.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64 ||
+        pinfo.GetElementCount() != static_cast<size_t>(B * S))
+      fail("packed: position_ids must be int64 [B, S] = [", B, ", ", S, "]");
     if (cshape.size() != 2 || cshape[1] != half || cos_in.GetTensorTypeAndShapeInfo().GetShape() !=
                                                        sin_in.GetTensorTypeAndShapeInfo().GetShape())
       fail("packed: cos_cache and sin_cache must both have shape [positions, ", half, "], got ", shape_str(cshape));
@@ -636,37 +678,39 @@ struct PackedTreeAttentionKernel : AttentionKernelBase {
     const int64_t* pos = pos_in.GetTensorData<int64_t>();
     const float* cos = cos_in.GetTensorData<float>();
     const float* sin = sin_in.GetTensorData<float>();
-    for (int64_t j = 0; j < S; ++j)
+    for (int64_t j = 0; j < B * S; ++j)
       if (pos[j] < 0 || pos[j] >= cshape[0])
         fail("packed: position_ids[", j, "] = ", pos[j], " is outside the rotary tables (", cshape[0], " positions)");
 
-    auto out_v = ctx.GetOutput(0, {1, S, H * D});
+    auto out_v = ctx.GetOutput(0, {B, S, H * D});
     auto pk_v = ctx.GetOutput(1, kcshape);
     auto pv_v = ctx.GetOutput(2, kcshape);
     float* out = out_v.GetTensorMutableData<float>();
     float* pk = pk_v.GetTensorMutableData<float>();
     float* pv = pv_v.GetTensorMutableData<float>();
     const size_t per_head = static_cast<size_t>(C * D);
-    copy_cache(context, key_cache.GetTensorData<float>(), pk, Hkv, per_head);
-    copy_cache(context, value_cache.GetTensorData<float>(), pv, Hkv, per_head);
+    copy_cache(context, key_cache.GetTensorData<float>(), pk, B * Hkv, per_head);
+    copy_cache(context, value_cache.GetTensorData<float>(), pv, B * Hkv, per_head);
 
-    // Rotate q into scratch; rotate k and copy v straight into their cache rows.
+    // Rotate q into scratch; rotate k and copy v straight into their cache rows (row j of sequence
+    // b is row b*S + j of qkv and of q).
     static thread_local Scratch q_scratch;
-    float* q = q_scratch.get(static_cast<size_t>(std::max<int64_t>(1, S * H * D)));
-    for (int64_t j = 0; j < S; ++j) {
-      const float* row = x + j * W;
-      const float* c = cos + pos[j] * half;
-      const float* s = sin + pos[j] * half;
-      for (int64_t h = 0; h < H; ++h) rotate_half(row + h * D, c, s, half, q + (j * H + h) * D);
+    float* q = q_scratch.get(static_cast<size_t>(std::max<int64_t>(1, B * S * H * D)));
+    for (int64_t r = 0; r < B * S; ++r) {
+      const int64_t b = r / S, j = r % S;
+      const float* row = x + r * W;
+      const float* c = cos + pos[r] * half;
+      const float* s = sin + pos[r] * half;
+      for (int64_t h = 0; h < H; ++h) rotate_half(row + h * D, c, s, half, q + (r * H + h) * D);
       for (int64_t g = 0; g < Hkv; ++g) {
-        const int64_t dst = (g * C + past + j) * D;
+        const int64_t dst = ((b * Hkv + g) * C + pasts[b] + j) * D;
         rotate_half(row + (H + g) * D, c, s, half, pk + dst);
         std::memcpy(pv + dst, row + (H + Hkv + g) * D, static_cast<size_t>(D) * sizeof(float));
       }
     }
     if (S == 0) return;
-    attend(context, kern, q, reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, out, S, S, H,
-           Hkv, D, C, past, scale_for(D));
+    attend(context, kern, q, reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, out, B, S, S,
+           H, Hkv, D, C, pasts.data(), scale_for(D));
   }
 };
 

@@ -154,7 +154,7 @@ def test_disk_full_mid_export(tmp_path, monkeypatch, when):
         raise OSError(errno.ENOSPC, "No space left on device")
 
     if when == "writing the graph":
-        def partial_graph(model, taps, max_len, attention, path):
+        def partial_graph(model, taps, max_len, attention, path, batched=False):
             path.write_bytes(b"onnx")
             path.with_name(path.name + ".data").write_bytes(b"\0" * 100_000)
             no_space()

@@ -35,7 +35,7 @@ F = TensorProto.FLOAT
 
 
 def op_model(H, Hkv, D, scale=None, shapes=True, mask_type=TensorProto.BOOL, past_type=TensorProto.INT64,
-             past_shape=(), extra_attrs=None):
+             past_shape=(), extra_attrs=None, batch=1):
     """One-node model of TreeAttention. shapes=False leaves the graph inputs without shapes, so
     that bad shapes reach the op instead of being refused by onnxruntime's own checks."""
 
@@ -43,11 +43,11 @@ def op_model(H, Hkv, D, scale=None, shapes=True, mask_type=TensorProto.BOOL, pas
         return helper.make_tensor_value_info(name, dtype, list(shape) if shapes else None)
 
     inputs = [
-        vi("query", F, [1, "S", H * D]),
-        vi("key", F, [1, "Skv", Hkv * D]),
-        vi("value", F, [1, "Skv", Hkv * D]),
-        vi("key_cache", F, [1, Hkv, "C", D]),
-        vi("value_cache", F, [1, Hkv, "C", D]),
+        vi("query", F, [batch, "S", H * D]),
+        vi("key", F, [batch, "Skv", Hkv * D]),
+        vi("value", F, [batch, "Skv", Hkv * D]),
+        vi("key_cache", F, [batch, Hkv, "C", D]),
+        vi("value_cache", F, [batch, Hkv, "C", D]),
         vi("past_len", past_type, past_shape),
         vi("mask", mask_type, ["S", "Skv"]),
     ]
@@ -451,13 +451,13 @@ def test_every_tree_row_is_bit_identical_to_its_token_decoded_alone(lib, H, Hkv,
 # ------------------------------------------------------------------------------------------------
 # PackedTreeAttention (rotary in the op)
 
-def packed_model(H, Hkv, D, scale):
-    inputs = [helper.make_tensor_value_info("qkv", F, [1, "S", (H + 2 * Hkv) * D]),
-              helper.make_tensor_value_info("key_cache", F, [1, Hkv, "C", D]),
-              helper.make_tensor_value_info("value_cache", F, [1, Hkv, "C", D]),
-              helper.make_tensor_value_info("past_len", TensorProto.INT64, []),
+def packed_model(H, Hkv, D, scale, batch=1, past_shape=()):
+    inputs = [helper.make_tensor_value_info("qkv", F, [batch, "S", (H + 2 * Hkv) * D]),
+              helper.make_tensor_value_info("key_cache", F, [batch, Hkv, "C", D]),
+              helper.make_tensor_value_info("value_cache", F, [batch, Hkv, "C", D]),
+              helper.make_tensor_value_info("past_len", TensorProto.INT64, list(past_shape)),
               helper.make_tensor_value_info("mask", TensorProto.BOOL, ["S", "S"]),
-              helper.make_tensor_value_info("position_ids", TensorProto.INT64, [1, "S"]),
+              helper.make_tensor_value_info("position_ids", TensorProto.INT64, [batch, "S"]),
               helper.make_tensor_value_info("cos", F, ["P", D // 2]),
               helper.make_tensor_value_info("sin", F, ["P", D // 2])]
     outputs = [helper.make_tensor_value_info(n, F, None) for n in ("output", "present_key", "present_value")]
@@ -508,3 +508,66 @@ def test_packed_refuses_bad_inputs_clearly(lib):
     with pytest.raises(ORT_ERRORS, match="mask must be bool"):
         sess.run(None, {**feeds, "mask": causal_mask(3)})
 
+
+
+# ------------------------------------------------------------------------------------------------
+# Batches: several sequences, each with its own cache and length (the batched data graph)
+
+def _alone(feeds: dict, b: int, batched: tuple[str, ...]) -> dict:
+    """Sequence b's inputs as a batch of one (its own past length)."""
+    alone = {k: (v[b : b + 1].copy() if k in batched else v.copy()) for k, v in feeds.items()}
+    alone["past_len"] = np.array(feeds["past_len"][b], np.int64)
+    return alone
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("S", [1, 6])
+def test_a_batch_computes_every_sequence_as_it_would_alone(lib, threads, S):
+    """Each sequence of a batch attends only its own cache and gets the bits it gets alone (the
+    batched data job relies on it to sample what one sequence at a time samples), pasts on either
+    side of the softmax block (64) and chunk (256) edges."""
+    H, Hkv, D, C = 9, 3, 64, 1024
+    pasts = np.array([0, 63, 300, 5], np.int64)
+    B = len(pasts)
+    rng = np.random.default_rng([threads, S])
+    mask = tree_mask(random_tree(rng, S))
+    feeds = random_case(rng, S, S, 0, C, H, Hkv, D, mask)
+    feeds.update({k: rng.standard_normal((B, *feeds[k].shape[1:]), dtype=np.float32)
+                  for k in ("query", "key", "value", "key_cache", "value_cache")}, past_len=pasts)
+    batched = ("query", "key", "value", "key_cache", "value_cache")
+    together = session(op_model(H, Hkv, D, batch="B", past_shape=["B"]), threads)
+    single = session(op_model(H, Hkv, D), threads)
+    out, pk, pv = together.run(None, {k: v.copy() for k, v in feeds.items()})
+    for b in range(B):
+        want = single.run(None, _alone(feeds, b, batched))
+        assert np.array_equal(out[b], want[0][0]) and np.array_equal(pk[b], want[1][0]), b
+        assert np.array_equal(pv[b], want[2][0]), b
+
+    packed = session(packed_model(H, Hkv, D, 0.125, batch="B", past_shape=["B"]), threads)
+    packed_single = session(packed_model(H, Hkv, D, 0.125), threads)
+    cases = [packed_case(rng, S, int(p), C, H, Hkv, D, mask) for p in pasts]
+    pfeeds = {k: np.concatenate([c[k] for c in cases]) for k in ("qkv", "key_cache", "value_cache", "position_ids")}
+    pfeeds.update(past_len=pasts, mask=mask, cos=cases[0]["cos"], sin=cases[0]["sin"])
+    out, pk, pv = packed.run(None, pfeeds)
+    for b in range(B):
+        want = packed_single.run(None, _alone(pfeeds, b, ("qkv", "key_cache", "value_cache", "position_ids")))
+        assert np.array_equal(out[b], want[0][0]) and np.array_equal(pk[b], want[1][0]), b
+
+
+def test_a_batch_with_one_past_length_for_all_and_bad_lengths(lib):
+    """A scalar past_len applies to every sequence; a past_len of another count is a clear error."""
+    H, Hkv, D = 4, 2, 8
+    rng = np.random.default_rng(7)
+    feeds = random_case(rng, 3, 3, 5, 32, H, Hkv, D, causal_mask(3))
+    feeds.update({k: rng.standard_normal((2, *feeds[k].shape[1:]), dtype=np.float32)
+                  for k in ("query", "key", "value", "key_cache", "value_cache")})
+    sess = session(op_model(H, Hkv, D, shapes=False))
+    shared = sess.run(None, {k: v.copy() for k, v in feeds.items()})[0]
+    each = sess.run(None, {**{k: v.copy() for k, v in feeds.items()}, "past_len": np.array([5, 5], np.int64)})[0]
+    assert np.array_equal(shared, each)
+    with pytest.raises(ORT_ERRORS, match=r"one length per sequence \(shape \[2\]\)"):
+        sess.run(None, {**feeds, "past_len": np.array([5, 5, 5], np.int64)})
+    with pytest.raises(ORT_ERRORS, match=r"key_cache must have shape \[2, 2, capacity, 8\]"):
+        sess.run(None, {**feeds, "key_cache": feeds["key_cache"][:1], "value_cache": feeds["value_cache"][:1]})
+    with pytest.raises(ORT_ERRORS, match="exceeds cache capacity"):
+        sess.run(None, {**feeds, "past_len": np.array([5, 30], np.int64)})

@@ -33,7 +33,7 @@ MUTATIONS = {
     "huge past": "exceeds cache capacity",
     "query width": "query width",
     "query rank": "query must have shape",
-    "query batch": "query must have shape",
+    "query batch": "key must have shape",  # the batch is the query's: the key's then differs
     "query dtype": "data type",  # refused by onnxruntime itself before the op runs
     "key width": "TreeAttention: ",
     "key zero width": "key width 0",
@@ -76,17 +76,19 @@ def valid_case(rng) -> dict:
     else:
         mask = rng.random((S, Skv)) < rng.random()  # includes rows that see nothing
     H = G * Hkv
-    c = dict(H=H, Hkv=Hkv, D=D, S=S, Skv=Skv, past=past, C=C, kind=kind,
+    B = int(rng.choice([1, 1, 1, 2, 3]))  # sequences, each with its own cache
+    pasts = [past] * B if rng.random() < 0.5 else [past] + [int(rng.integers(0, C - Skv + 1)) for _ in range(B - 1)]
+    c = dict(H=H, Hkv=Hkv, D=D, S=S, Skv=Skv, past=past, C=C, B=B, pasts=pasts, kind=kind,
              threads=int(rng.integers(1, 3)), past_type=str(rng.choice(["int64", "int32"])),
-             past_shape=[] if rng.random() < 0.7 else [1],
+             past_shape=[B] if len(set(pasts)) > 1 else [] if rng.random() < 0.7 else [1],
              scale=None if rng.random() < 0.3 else float(rng.uniform(0.5, 1.5) / np.sqrt(D)))
     c["feeds"] = dict(
-        query=rng.standard_normal((1, S, H * D), dtype=np.float32),
-        key=rng.standard_normal((1, Skv, Hkv * D), dtype=np.float32),
-        value=rng.standard_normal((1, Skv, Hkv * D), dtype=np.float32),
-        key_cache=rng.standard_normal((1, Hkv, C, D), dtype=np.float32),
-        value_cache=rng.standard_normal((1, Hkv, C, D), dtype=np.float32),
-        past_len=np.array(past, dtype=c["past_type"]).reshape(c["past_shape"]),
+        query=rng.standard_normal((B, S, H * D), dtype=np.float32),
+        key=rng.standard_normal((B, Skv, Hkv * D), dtype=np.float32),
+        value=rng.standard_normal((B, Skv, Hkv * D), dtype=np.float32),
+        key_cache=rng.standard_normal((B, Hkv, C, D), dtype=np.float32),
+        value_cache=rng.standard_normal((B, Hkv, C, D), dtype=np.float32),
+        past_len=np.array(pasts if len(set(pasts)) > 1 else past, dtype=c["past_type"]).reshape(c["past_shape"]),
         mask=mask,
     )
     return c
@@ -100,7 +102,7 @@ def mutate(c: dict, what: str, rng) -> dict:
     k = int(rng.integers(1, 5))
 
     def past(value, dtype=None):
-        return np.array(value, dtype=dtype or c["past_type"]).reshape(c["past_shape"])
+        return np.full(c["past_shape"], value, dtype or c["past_type"])
 
     if what == "past+S>C":
         f["past_len"] = past(C - Skv + k)
@@ -109,27 +111,27 @@ def mutate(c: dict, what: str, rng) -> dict:
     elif what == "huge past":
         f["past_len"] = past(np.iinfo(c["past_type"]).max)
     elif what == "query width":
-        f["query"] = np.zeros((1, S, H * D + k), np.float32)
+        f["query"] = np.zeros((c["B"], S, H * D + k), np.float32)
     elif what == "query rank":
-        f["query"] = f["query"].reshape(S, H * D) if rng.random() < 0.5 else f["query"][None]
+        f["query"] = f["query"][0] if rng.random() < 0.5 else f["query"][None]
     elif what == "query batch":
-        f["query"] = np.zeros((2, S, H * D), np.float32)
+        f["query"] = np.zeros((c["B"] + 1, S, H * D), np.float32)
     elif what == "query dtype":
         f["query"] = f["query"].astype(np.float64)
     elif what == "key width":  # no longer num_heads * head_dim (or not a multiple of kv_num_heads)
-        f["key"] = f["value"] = np.zeros((1, Skv, Hkv * D + k * Hkv + 1), np.float32)
+        f["key"] = f["value"] = np.zeros((c["B"], Skv, Hkv * D + k * Hkv + 1), np.float32)
     elif what == "key zero width":
-        f["key"] = f["value"] = np.zeros((1, Skv, 0), np.float32)
+        f["key"] = f["value"] = np.zeros((c["B"], Skv, 0), np.float32)
     elif what == "value shape":
-        f["value"] = np.zeros((1, Skv + k, Hkv * D), np.float32)
+        f["value"] = np.zeros((c["B"], Skv + k, Hkv * D), np.float32)
     elif what == "cache heads":
-        f["key_cache"] = f["value_cache"] = np.zeros((1, Hkv + k, C, D), np.float32)
+        f["key_cache"] = f["value_cache"] = np.zeros((c["B"], Hkv + k, C, D), np.float32)
     elif what == "cache head_dim":
-        f["key_cache"] = f["value_cache"] = np.zeros((1, Hkv, C, D + k), np.float32)
+        f["key_cache"] = f["value_cache"] = np.zeros((c["B"], Hkv, C, D + k), np.float32)
     elif what == "cache rank":
         f["key_cache"] = f["value_cache"] = np.zeros((Hkv, C, D), np.float32)
     elif what == "value_cache capacity":
-        f["value_cache"] = np.zeros((1, Hkv, C + k, D), np.float32)
+        f["value_cache"] = np.zeros((c["B"], Hkv, C + k, D), np.float32)
     elif what == "mask shape":
         f["mask"] = np.ones((S, Skv + k) if rng.random() < 0.5 else (S + k, Skv), bool)
     elif what == "mask rank":
@@ -142,7 +144,7 @@ def mutate(c: dict, what: str, rng) -> dict:
         f["past_len"] = past(c["past"], np.float32)
         graph["past_type"] = TensorProto.FLOAT
     elif what == "past shape":
-        f["past_len"] = [np.array([c["past"], 0], np.int64), np.zeros((0,), np.int64),
+        f["past_len"] = [np.array([c["past"]] * (c["B"] + 1), np.int64), np.zeros((0,), np.int64),
                          np.full((1, 1), c["past"], np.int64)][int(rng.integers(0, 3))]
         graph["past_type"], graph["past_shape"] = TensorProto.INT64, None
     elif what == "heads not a multiple":
@@ -202,16 +204,18 @@ def check_valid(sess, c: dict) -> str | None:
     f = c["feeds"]
     out, pk, pv = sess.run(None, f)
     scale = c["scale"] if c["scale"] is not None else 1.0 / np.sqrt(c["D"])
-    ref_out, ref_pk, ref_pv = tree_attention(f["query"], f["key"], f["value"], f["key_cache"], f["value_cache"],
-                                             f["past_len"], f["mask"], scale, c["H"], c["Hkv"])
-    if out.shape != ref_out.shape:
-        return f"output shape {out.shape}, reference {ref_out.shape}"
-    diff = float(np.abs(out - ref_out).max(initial=0.0))
-    if not diff <= 1e-5:
-        return f"max |output - reference| = {diff:.3g}"
-    if not (np.array_equal(pk, ref_pk) and np.array_equal(pv, ref_pv)):
-        return "present_key/present_value differ from the reference"
-    return check_rows_alone(sess, f, out)
+    for b, past in enumerate(c["pasts"]):  # each sequence against the reference alone
+        one = {k: v[b : b + 1] for k, v in f.items() if k not in ("past_len", "mask")}
+        ref_out, ref_pk, ref_pv = tree_attention(one["query"], one["key"], one["value"], one["key_cache"],
+                                                 one["value_cache"], np.array(past), f["mask"], scale, c["H"], c["Hkv"])
+        if out[b : b + 1].shape != ref_out.shape:
+            return f"sequence {b}: output shape {out[b : b + 1].shape}, reference {ref_out.shape}"
+        diff = float(np.abs(out[b : b + 1] - ref_out).max(initial=0.0))
+        if not diff <= 1e-5:
+            return f"sequence {b}: max |output - reference| = {diff:.3g}"
+        if not (np.array_equal(pk[b : b + 1], ref_pk) and np.array_equal(pv[b : b + 1], ref_pv)):
+            return f"sequence {b}: present_key/present_value differ from the reference"
+    return check_rows_alone(sess, f, out) if c["B"] == 1 else None
 
 
 def check_rows_alone(sess, f: dict, out) -> str | None:

@@ -168,6 +168,11 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     assert len(both) == len(load_sequences([tmp_path / "data"], target)) + len(load_sequences([tmp_path / "data4"], target))
     with pytest.raises(ValueError, match="same id"):
         load_sequences([tmp_path / "data", tmp_path / "data"], target)
+    # `fit --from-round 1`: the later rounds only; a follow-up's parent from round 0 still gives its prompt
+    later_rounds = load_sequences([tmp_path / "data"], target, from_round=1)
+    assert later_rounds and [r["id"] for r in later_rounds] == [
+        r["id"] for r in load_sequences([tmp_path / "data"], target) if shards.round_of(r["id"]) >= 1]
+    assert any(r["source"] == "followup" and r["id"].startswith("r00001") for r in later_rounds)
 
     manifest = __import__("json").loads((tmp_path / "bundle" / "dflash.json").read_text())
     sequences = load_sequences([tmp_path / "data"], target)
@@ -330,6 +335,37 @@ def test_ort_engine_answers_with_the_bundles_own_graph(tiny, tmp_path, small_rou
     result = CliRunner().invoke(main, ["data", "--target", str(bundle), "--out", str(tmp_path / "x"),
                                        "--engine", "ort", "--target-dtype", "int4"])
     assert result.exit_code != 0 and "drop --target-dtype" in result.output
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "int4"])
+def test_a_batch_of_answers_is_what_one_at_a_time_samples(tiny, dtype):
+    """`data --engine ort --batch N`: the batched graph answers many prompts together, each as the
+    one-at-a-time path answers it, token for token (its own cache and seed), whatever the batch,
+    while answers end, free their slots for the next prompts, and the live slots move down."""
+    from click.testing import CliRunner
+
+    from dflash.runtime.bundle import BundleError
+    from dflash.train.cli import main
+    from dflash.train.ort_sampler import OrtSampler
+
+    bundle, _ = tiny("llama", max_len=160, dtype=dtype, batched=True)
+    rng = np.random.default_rng(0)
+    lengths = [1, 5, 70, 12, 3, 64, 40, 140, 9, 2, 30]  # prefills of one and of several chunks; 140: cut short
+    prompts = [rng.integers(3, 200, n).tolist() for n in lengths]
+    end_ids = set(range(3, 256, 9))  # answers end at different lengths
+    one = OrtSampler(bundle, threads=1).sample(prompts, 24, end_ids, temperature=1.0, seed=5)
+    assert len({len(a.tokens) for a in one}) > 3 and any(a.ended for a in one) and not all(a.ended for a in one)
+    assert len(one[7].tokens) <= 160 - 140 + 1  # the cache holds no more
+    for batch in (2, 3, 16):
+        together = OrtSampler(bundle, threads=2 if batch == 3 else 1, batch=batch)
+        got = together.sample(prompts, 24, end_ids, temperature=1.0, seed=5)
+        assert [(a.tokens, a.greedy, a.ended) for a in got] == [(a.tokens, a.greedy, a.ended) for a in one], batch
+    with pytest.raises(ValueError, match="shorten the prompt"):
+        together.sample([[5] * 200], 4, end_ids)
+    with pytest.raises(BundleError, match="--batched"):
+        OrtSampler(tiny("llama")[0], batch=4)
+    result = CliRunner().invoke(main, ["data", "--target", str(bundle), "--out", "x", "--batch", "4"])
+    assert result.exit_code != 0 and "--batch is for --engine ort" in result.output
 
 
 def test_ort_labeller_gives_the_bundles_taps_and_logits(tiny, tmp_path):

@@ -44,12 +44,15 @@ def load_target(bundle):
               help="answer with the target as it runs in a bundle of this precision (int4: its MatMuls emulate "
                    "MatMulQ4; its rows' ids start with q4r instead of r); give each its own --out")
 @click.option("--engine", type=click.Choice(["torch", "ort"]), default="torch", show_default=True,
-              help="torch: transformers, batched; ort: the bundle's own graph in ONNX Runtime, one answer at a "
-                   "time, at its precision (an int4 bundle answers ~3x faster than --target-dtype int4; its "
-                   "rows' ids start with q4o)")
+              help="torch: transformers, batched; ort: the bundle's own graph in ONNX Runtime, at its precision "
+                   "(an int4 bundle answers ~3x faster than --target-dtype int4 one at a time, more with --batch; "
+                   "its rows' ids start with q4o)")
+@click.option("--batch", default=1, show_default=True,
+              help="--engine ort: answers decoded together by the bundle's batched graph (export the bundle with "
+                   "--batched); the answers are the same, token for token, as with --batch 1")
 @click.option("--id-prefix", help="start every row id with this instead (a second job beside another one, with its "
                                   "own --out and --seed, needs its own so the two can be fitted together)")
-def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype, engine, id_prefix):
+def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype, engine, batch, id_prefix):
     """The target's own sampled answers to self-written, template, grounded and follow-up requests,
     in resumable shards (see dflash/train/data.py)."""
     import torch
@@ -60,13 +63,20 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
         torch.set_num_threads(threads)
     _, source = load_target(bundle)
     prefix, sampler = "q4r" if target_dtype == "int4" else "r", None
+    if batch != 1 and engine != "ort":
+        raise click.UsageError("--batch is for --engine ort (the torch engine answers a whole round together)")
     if engine == "ort":
+        from dflash.runtime.bundle import BundleError
+
         from .ort_sampler import OrtSampler
 
         if target_dtype != "fp32":
             raise click.UsageError("--engine ort answers at the bundle's own precision: drop --target-dtype "
                                    "and pass an int4 bundle as --target")
-        sampler = OrtSampler(bundle, threads or None)
+        try:
+            sampler = OrtSampler(bundle, threads or None, batch)
+        except BundleError as e:
+            raise click.ClickException(str(e))
         prefix = {"fp32": "o", "int8": "q8o", "int4": "q4o"}[sampler.dtype]
     elif target_dtype == "int4":
         from .int4_target import emulate_int4
@@ -121,12 +131,15 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
 @click.option("--int4-bundle", type=click.Path(exists=True, file_okay=False),
               help="with --int4-data: label those answers with this int4 bundle in ONNX Runtime (the exact taps "
                    "the runtime's drafter reads, several times faster than the emulation)")
+@click.option("--from-round", default=0, show_default=True,
+              help="train on the answers of rounds N on only (with --init: a session's new answers, without "
+                   "labelling the earlier ones again)")
 @click.option("--refine", is_flag=True,
               help="dflash: also learn a second pass over the block with the first pass's drafts in place of "
                    "the masks (the runtime then drafts in two calls; see dflash/train/objective.py)")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
         mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype, int4_data_dirs,
-        int4_share, int4_bundle, refine):
+        int4_share, int4_bundle, refine, from_round):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
     (see dflash/train/fit.py and eagle3.py)."""
     import torch
@@ -151,9 +164,9 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
 
         if greedy_only:
             raise click.ClickException("--greedy-only is for --arch dflash (an EAGLE-3 head drafts one token a step)")
-        if target_dtype != "fp32" or int4_data_dirs or int4_bundle or refine:
-            raise click.ClickException("--target-dtype, --int4-data, --int4-bundle and --refine are for --arch "
-                                       "dflash; drop them for --arch eagle3")
+        if target_dtype != "fp32" or int4_data_dirs or int4_bundle or refine or from_round:
+            raise click.ClickException("--target-dtype, --int4-data, --int4-bundle, --refine and --from-round are "
+                                       "for --arch dflash; drop them for --arch eagle3")
 
         taps = [int(t) for t in head_taps.split(",")] if head_taps else None
         eagle3.train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", taps=taps,
@@ -164,7 +177,7 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
           seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
           target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, int4_share=int4_share,
-          int4_bundle=int4_bundle, refine=refine,
+          int4_bundle=int4_bundle, refine=refine, from_round=from_round,
           echo=lambda m: click.echo(m, err=True))
 
 

@@ -23,9 +23,10 @@ from .objective import block_logits, first_pass_drafts, label_rows, position_wei
 SOFT_K = 16  # soft labels kept per position: the target's 16 most likely draft-vocabulary tokens
 
 
-def load_sequences(folders, target) -> list[dict]:
-    """Every shard row as {id, kind, source, prompt, answer} token ids, prompts rebuilt with
-    the target's chat template from the row's provenance."""
+def load_sequences(folders, target, from_round: int = 0) -> list[dict]:
+    """Every shard row (of rounds `from_round` on) as {id, kind, source, prompt, answer} token ids,
+    prompts rebuilt with the target's chat template from the row's provenance (a follow-up's
+    parent may lie in an earlier round)."""
     rows = [r for folder in folders for r in shards.read_all(folder)]
     if not rows:
         raise FileNotFoundError(f"no shards in {', '.join(map(str, folders))}: run `dflash-train data` first")
@@ -35,7 +36,7 @@ def load_sequences(folders, target) -> list[dict]:
                          "its own target dtype (row ids r... and q4r...), or fit one folder of each kind")
     out = []
     for r in rows:
-        if len(r["answer"]) < 2:
+        if len(r["answer"]) < 2 or shards.round_of(r["id"]) < from_round:
             continue
         prompt = target.encode(target.render(shards.messages(r, by_id, target.decode)))
         out.append({"id": r["id"], "kind": r["kind"], "source": r["source"], "prompt": prompt, "answer": r["answer"]})
@@ -277,7 +278,7 @@ def held_out_split(n: int, start: int = 0) -> tuple[list[int], list[int]]:
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
           text_tokens=0, init_from=None, greedy_only=False, target_dtype="fp32", int4_data_dirs=(),
-          int4_share=None, int4_bundle=None, refine=False, echo=print) -> dict:
+          int4_share=None, int4_bundle=None, refine=False, from_round=0, echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
     `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start);
     `greedy_only`: learn only labels on the target's greedy path (see greedy_path);
@@ -305,7 +306,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         p.requires_grad_(False)
     tokenizer = Target(target_source)
     # offline text first: the held-out sequences are the newest answers (the last ones)
-    rows = text_sequences(tokenizer, text_tokens, seed) + load_sequences(data_dirs, tokenizer)
+    rows = text_sequences(tokenizer, text_tokens, seed) + load_sequences(data_dirs, tokenizer, from_round)
     tc = target.config
     d2t = None
     if draft_vocab:
@@ -319,7 +320,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     train_ids, held_ids = held_out_split(len(rows))  # for the acceptance estimate
     pools = [train_ids]  # training rows by kind; a step draws a kind, then a row of it
     if int4_data_dirs:
-        rows4 = load_sequences(int4_data_dirs, tokenizer)
+        rows4 = load_sequences(int4_data_dirs, tokenizer, from_round)
         # the kind names the labeller: a cache the emulation labelled is relabelled by the bundle
         kind = "int4 bundle" if int4_bundle else "int4"
         cache4 = LabelCache(Path(cache_dir) / "int4", rows4, manifest["taps"], tc.hidden_size, d2t, kind, echo)

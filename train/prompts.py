@@ -99,7 +99,11 @@ def grounded_ref(rng: random.Random) -> dict | None:
 
 
 def grounded_text(ref: dict) -> str:
-    return f"{ref['instruction']}.\n\n{texts.paragraphs(ref['source'])[ref['index']]}".replace("?.", "?")
+    paragraphs = texts.paragraphs(ref["source"])
+    if ref["index"] >= len(paragraphs):
+        raise ValueError(f"a row quotes paragraph {ref['index']} of {ref['source']}, which this machine does not have: "
+                         f"install the offline texts (apt-get install {texts.PACKAGES})")
+    return f"{ref['instruction']}.\n\n{paragraphs[ref['index']]}".replace("?.", "?")
 
 
 def define_request(rng: random.Random) -> str | None:

@@ -38,6 +38,11 @@ def read(path: Path) -> list[dict]:
     return meta
 
 
+def round_of(row_id: str) -> int:
+    """The round a row was written in: ids end in ROUND-INDEX (data.round_id)."""
+    return int(row_id.rsplit("-", 1)[0][-5:])
+
+
 def read_all(folder: Path) -> list[dict]:
     return [row for path in sorted(Path(folder).glob("shard-*.npz")) for row in read(path)]
 
