@@ -108,7 +108,7 @@ def check_target(model, taps: list[int], bundle: Path, s: int = 5, past: int = 7
     return result
 
 
-def check_batched(bundle: Path, batch: int = 2, s: int = 5, past: int = 7) -> bool:
+def check_batched(config, bundle: Path, batch: int = 2, s: int = 5, past: int = 7) -> bool:
     """Whether the batched target graph gives every sequence of a batch exactly the logits and
     taps the target graph gives it alone (random ids and caches; sequence b after past + b rows)."""
     from dflash.runtime.bundle import load_bundle
@@ -119,9 +119,6 @@ def check_batched(bundle: Path, batch: int = 2, s: int = 5, past: int = 7) -> bo
     info = load_bundle(bundle)
     single = make_session(info.graph_path("target"), info, threads=None)
     batched = make_session(info.graph_path("target_batched"), info, threads=None)
-    config = type("Config", (), {"vocab_size": info.vocab_size, "num_hidden_layers": info.kv["layers"],
-                                 "num_key_value_heads": info.kv["kv_heads"], "head_dim": info.kv["head_dim"],
-                                 "hidden_size": info.hidden_size, "num_attention_heads": info.kv["heads"]})
     inputs = [t.numpy() for t in example_inputs(config, info.max_len, s=s, past=past, seed=2, batch=batch)]
     names = [i.name for i in batched.get_inputs()]
     logits, tapped = batched.run(["logits", "taps"], dict(zip(names, inputs)))

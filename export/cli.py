@@ -139,7 +139,7 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
         manifest["export_check"] = diff
         if batched:
             progress("checking the batched graph against the target graph, sequence by sequence")
-            if not check_batched(folder):
+            if not check_batched(config, folder):
                 raise SourceError("the batched target graph does not give each sequence what the target graph "
                                   "gives it alone; nothing was written. This is a bug in the exporter or the op "
                                   "library: please report it with the command you ran")

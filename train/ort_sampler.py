@@ -100,7 +100,7 @@ class _Answer:
     """A prompt being answered in a slot of the batch."""
     k: int  # the prompt's index
     past: int  # its cached rows
-    budget: int  # tokens it may still write
+    budget: int  # tokens it may write in all
     sampler: object
     token: int = -1  # the last sampled token, fed at the next step
 
@@ -183,6 +183,8 @@ class BatchedTarget:
 
     def answer(self, fitted: list[tuple[list[int], int]], end_ids: set[int], samplers: list) -> list[Sampled]:
         """Sampled answers to the (prompt, budget) pairs, each drawn by its own sampler."""
+        if not fitted:
+            return []
         need = max(len(p) + b for p, b in fitted)
         if need > self.capacity:
             self._allocate(min(self.bundle.max_len, max(need, 2 * self.capacity)))
@@ -201,7 +203,7 @@ class BatchedTarget:
 
         while len(live) < self.batch and queue:  # fill the slots
             a = start(len(live))
-            if a:
+            if a is not None:
                 live.append(a)
         while live:
             n = len(live)
