@@ -370,12 +370,13 @@ void attend(OrtKernelContext* context, const Kernels* kern, const float* q, cons
   static thread_local std::vector<Plan> plans;
   static thread_local std::vector<uint8_t> regroup;
   static thread_local std::vector<int64_t> first_item, first_merge;  // prefix sums over the sequences
+  static thread_local std::vector<size_t> partial_at;  // where each sequence's partial results start
   static thread_local Scratch partial;
   plans.assign(static_cast<size_t>(B), Plan{});
   regroup.assign(static_cast<size_t>(B * S), 0);
   first_item.assign(static_cast<size_t>(B + 1), 0);
   first_merge.assign(static_cast<size_t>(B + 1), 0);
-  std::vector<size_t> partial_at(static_cast<size_t>(B), 0);
+  partial_at.assign(static_cast<size_t>(B), 0);
   size_t partial_size = 0;
   for (int64_t b = 0; b < B; ++b) {
     Plan& plan = plans[b];
@@ -435,16 +436,18 @@ void attend(OrtKernelContext* context, const Kernels* kern, const float* q, cons
 }
 
 // past_len: one length for every sequence (shape [] or [1]) or one per sequence ([B]); int64 or int32.
-// Each must leave room for `rows` new rows in a cache of `C` rows.
-std::vector<int64_t> read_pasts(const Ort::ConstValue& past_in, int64_t B, int64_t rows, int64_t C,
-                                const char* prefix) {
+// Each must leave room for `rows` new rows in a cache of `C` rows. Returned in the calling thread's
+// buffer (valid until its next call), so a step allocates nothing.
+const std::vector<int64_t>& read_pasts(const Ort::ConstValue& past_in, int64_t B, int64_t rows, int64_t C,
+                                       const char* prefix) {
+  static thread_local std::vector<int64_t> pasts;
   const auto info = past_in.GetTensorTypeAndShapeInfo();
   const auto shape = info.GetShape();
   const int64_t n = static_cast<int64_t>(info.GetElementCount());
   if (shape.size() > 1 || (n != 1 && n != B))
     fail(prefix, "past_len must be a scalar (shape [] or [1]) or one length per sequence (shape [", B, "]), got shape ",
          shape_str(shape));
-  std::vector<int64_t> pasts(static_cast<size_t>(B));
+  pasts.resize(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
     const int64_t i = n == 1 ? 0 : b;
     switch (info.GetElementType()) {
@@ -539,7 +542,7 @@ struct TreeAttentionKernel : AttentionKernelBase {
       fail("value_cache shape ", shape_str(vcshape), " differs from key_cache shape ", shape_str(kcshape));
     const int64_t C = kcshape[2];
 
-    const std::vector<int64_t> pasts = read_pasts(past_in, B, Skv, C, "");
+    const std::vector<int64_t>& pasts = read_pasts(past_in, B, Skv, C, "");
 
     if (mask_info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL)
       fail("mask must be bool, got ", dtype_name(mask_info.GetElementType()));
@@ -663,7 +666,7 @@ struct PackedTreeAttentionKernel : AttentionKernelBase {
     if (value_cache.GetTensorTypeAndShapeInfo().GetShape() != kcshape)
       fail("packed: value_cache shape differs from key_cache shape ", shape_str(kcshape));
     const int64_t C = kcshape[2];
-    const std::vector<int64_t> pasts = read_pasts(past_in, B, S, C, "packed: ");
+    const std::vector<int64_t>& pasts = read_pasts(past_in, B, S, C, "packed: ");
     if (mask_in.GetTensorTypeAndShapeInfo().GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL ||
         mshape.size() != 2 || mshape[0] != S || mshape[1] != S)
       fail("packed: mask must be bool [S, S] = [", S, ", ", S, "], got ", shape_str(mshape));

@@ -48,19 +48,11 @@ class OrtSampler:
         # The runtime's own fitting: a prompt the cache cannot hold is an error (cutting it would store
         # a row whose rebuilt prompt is not what the answer followed); the answer stops when it is full.
         prompt, budget = self.model._fit(prompt, max_new_tokens, truncate=None)
-        one, past = np.ones((1, 1), np.bool_), len(prompt)
-        logits, out = self.target.prefill(prompt), Sampled([], [], False)
-        while True:
-            out.greedy.append(int(np.argmax(logits)))
-            token = sampler(logits)
-            out.tokens.append(token)
-            if token in end_ids:
-                out.ended = True
-                break
-            if looping(out.tokens) or len(out.tokens) >= budget:  # the last token needs no forward
-                break
-            logits = self.target.forward([token], [past], one, past)[0]
-            past += 1
+        one, answer, out = np.ones((1, 1), np.bool_), _Answer(0, len(prompt), budget, sampler), Sampled([], [], False)
+        logits = self.target.prefill(prompt)
+        while _record(answer, out, logits, end_ids):  # the last token needs no forward
+            logits = self.target.forward([answer.token], [answer.past], one, answer.past)[0]
+            answer.past += 1
         return out
 
 
