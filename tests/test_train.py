@@ -117,6 +117,53 @@ def test_sampler_greedy_matches_generate_and_rows_do_not_disturb_each_other(tmp_
     assert sampled[0].tokens != sampled[2].tokens or sampled[1].tokens != sampled[3].tokens
 
 
+class _ScriptedTarget:
+    """Stands in for data.Target: characters are tokens, and every answer is the same note."""
+    user_opening = "<user>"
+    note = "Hi all, the team meeting moves to Friday at three. Please bring your notes and one idea for the spring plan."
+
+    def render(self, messages):
+        return "".join(f"<{m['role']}>{m['content']}" for m in messages) + "<assistant>"
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def sample(self, prompts, max_new_tokens, temperature, top_p, seed):
+        from dflash.train.sampler import Sampled
+
+        return [Sampled(self.encode(f"{self.note} ({seed} {i})"), [], True) for i in range(len(prompts))]
+
+
+def test_recipe_2_rewrites_the_targets_own_passages_and_goes_three_turns_deep():
+    from dflash.train import varied
+    from dflash.train.data import MIX_VARIED, plan_round
+
+    target, rounds = _ScriptedTarget(), []
+    for rnd in range(6):
+        rows = plan_round(target, rnd, 4, set(), rounds[-1] if rounds else [], prefix="v2q4o", recipe=2)
+        assert rows == plan_round(target, rnd, 4, set(), rounds[-1] if rounds else [], prefix="v2q4o", recipe=2)
+        for row in rows:
+            row["answer"] = list(range(40))
+        rounds.append(rows)
+    first = rounds[0]
+    rewrites = [r for r in first if r["source"] == "passage"]
+    assert len(rewrites) == MIX_VARIED["passage"]
+    for row in rewrites:
+        instruction, passage = row["messages"][0]["content"].split("\n\n", 1)
+        assert instruction in varied.REWRITES and len(passage.split()) == len(target.note.split()) + 2
+    templates = {r["messages"][0]["content"] for r in first if r["source"] == "template"}
+    assert len(templates) > 10 and {r["kind"] for r in first if r["source"] == "template"} <= {"chat", "code", "math", "list"}
+    turns = [[r.get("turns") for r in rows if r["source"] == "followup"] for rows in rounds]
+    assert turns[0] == [] and set(turns[1]) == {2}
+    assert {t for later in turns[2:] for t in later} == {2, 3}  # a third user turn is the deepest
+    text = "the quick brown fox jumps over the lazy sleeping dog"
+    typo = varied.with_typos(text, random.Random(1), rate=1.0)
+    assert typo != text and sorted(typo) == sorted(text)  # letters swapped, none lost
+
+
 @pytest.fixture
 def small_rounds(monkeypatch):
     from dflash.train import data

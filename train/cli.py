@@ -52,7 +52,10 @@ def load_target(bundle):
                    "--batched); the answers are the same, token for token, as with --batch 1")
 @click.option("--id-prefix", help="start every row id with this instead (a second job beside another one, with its "
                                   "own --out and --seed, needs its own so the two can be fitted together)")
-def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype, engine, batch, id_prefix):
+@click.option("--recipe", type=click.Choice(["1", "2"]), default="1", show_default=True,
+              help="1: the first campaign's request mix (prompts.py); 2: many more kinds of request, passages the "
+                   "target writes and rewrites, deeper conversations (varied.py; its row ids start with v2)")
+def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype, engine, batch, id_prefix, recipe):
     """The target's own sampled answers to self-written, template, grounded and follow-up requests,
     in resumable shards (see dflash/train/data.py)."""
     import torch
@@ -82,9 +85,11 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
         from .int4_target import emulate_int4
 
         emulate_int4(source.model)
+    if recipe == "2":
+        prefix = "v2" + prefix
     try:
         run(Target(source, sampler), out, answer_tokens, seed, max_new_tokens,
-            echo=lambda m: click.echo(m, err=True), prefix=id_prefix or prefix)
+            echo=lambda m: click.echo(m, err=True), prefix=id_prefix or prefix, recipe=int(recipe))
     except ValueError as e:
         raise click.ClickException(str(e))
 

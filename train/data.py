@@ -4,7 +4,11 @@ Each round writes one shard (`shard-NNNNN.npz`, see shards.py): the target first
 candidate requests of its own (Magpie), then answers a batch that mixes those with
 template, grounded, word-definition and follow-up requests, sampled at temperature 0.7
 with its argmax recorded at every position.  A round's random choices depend only on
-(seed, round), so a resumed job continues exactly where an interrupted one stopped.
+(seed, round, recipe), so a resumed job continues exactly where an interrupted one stopped.
+
+Recipe 1 is the mix above with prompts.py's templates; recipe 2 (varied.py) spreads the
+templates over many more kinds of request, adds passages the target writes and is then
+asked to rewrite, and follows conversations up to three user turns deep.
 """
 
 from __future__ import annotations
@@ -13,13 +17,16 @@ import random
 import time
 from pathlib import Path
 
-from . import prompts, shards
+from . import prompts, shards, varied
 from .sampler import looping, sample
 
 # Rows per round by source (the batch); magpie gets what its candidates yield, templates fill the rest.
 MIX = {"magpie": 28, "followup": 8, "grounded": 12, "define": 4}
+MIX_VARIED = {"magpie": 16, "followup": 8, "passage": 10, "grounded": 8, "define": 2}  # recipe 2
 BATCH = 64
 MAGPIE_CANDIDATES = 40
+PASSAGE_CANDIDATES = 14
+FOLLOWUP_DEPTH = 3  # recipe 2: user turns in a conversation at most (recipe 1: 2)
 
 
 class Target:
@@ -70,30 +77,49 @@ def magpie_requests(target: Target, rng: random.Random, seen: set, seed: int) ->
     return out
 
 
+def passages(target: Target, rng: random.Random, seed: int) -> list[str]:
+    """Short texts the target writes on request (emails, reviews, notices), to be rewritten."""
+    asks = [varied.passage_request(rng) for _ in range(PASSAGE_CANDIDATES)]
+    starts = [target.encode(target.render([{"role": "user", "content": a}])) for a in asks]
+    texts = [target.decode(s.tokens).strip() for s in target.sample(starts, 192, temperature=0.8, top_p=0.95, seed=seed)
+             if s.ended]
+    return [t for t in texts if varied.acceptable_passage(t)]
+
+
 def round_id(prefix: str, rnd: int) -> str:
     """What every row id of a round starts with."""
     return f"{prefix}{rnd:05d}-"
 
 
-def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[dict], prefix: str = "r") -> list[dict]:
+def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[dict], prefix: str = "r",
+               recipe: int = 1) -> list[dict]:
     """The requests of one round, each with its provenance."""
-    rng = random.Random(f"{seed}-{rnd}")
+    rng = random.Random(f"{seed}-{rnd}" if recipe == 1 else f"{seed}-{rnd}-recipe{recipe}")
+    mix, depth = (MIX, 2) if recipe == 1 else (MIX_VARIED, FOLLOWUP_DEPTH)
     rows = [{"kind": "chat", "source": "magpie", "messages": [{"role": "user", "content": t}]}
-            for t in magpie_requests(target, rng, seen, seed * 100003 + rnd)[: MIX["magpie"]]]
-    parents = [r for r in previous if len(r["answer"]) >= 16 and not looping(r["answer"]) and r["source"] != "followup"]
-    for parent in rng.sample(parents, min(MIX["followup"], len(parents))):
-        rows.append({"kind": parent["kind"], "source": "followup", "parent": parent["id"],
-                     "followup": rng.choice(prompts.FOLLOWUPS)})
-    for _ in range(MIX["grounded"]):
+            for t in magpie_requests(target, rng, seen, seed * 100003 + rnd)[: mix["magpie"]]]
+    parents = [r for r in previous if len(r["answer"]) >= 16 and not looping(r["answer"])
+               and r.get("turns", 2 if r["source"] == "followup" else 1) < depth]
+    for parent in rng.sample(parents, min(mix["followup"], len(parents))):
+        row = {"kind": parent["kind"], "source": "followup", "parent": parent["id"],
+               "followup": rng.choice(prompts.FOLLOWUPS)}
+        if recipe != 1:
+            row["turns"] = parent.get("turns", 1) + 1
+        rows.append(row)
+    if mix.get("passage"):
+        for text in passages(target, rng, seed * 100003 + rnd + 25000)[: mix["passage"]]:
+            rows.append({"kind": "rewrite", "source": "passage",
+                         "messages": [{"role": "user", "content": varied.rewrite_request(text, rng)}]})
+    for _ in range(mix["grounded"]):
         ref = prompts.grounded_ref(rng)
         if ref:
             rows.append({"kind": "grounded", "source": ref["source"], "ref": ref})
-    for _ in range(MIX["define"]):
+    for _ in range(mix["define"]):
         text = prompts.define_request(rng)
         if text:
             rows.append({"kind": "chat", "source": "wordnet", "messages": [{"role": "user", "content": text}]})
     while len(rows) < BATCH:
-        kind, text = prompts.template_request(rng)
+        kind, text = (prompts.template_request if recipe == 1 else varied.request)(rng)
         rows.append({"kind": kind, "source": "template", "messages": [{"role": "user", "content": text}]})
     for i, row in enumerate(rows):
         row["id"] = f"{round_id(prefix, rnd)}{i:02d}"
@@ -101,9 +127,9 @@ def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[di
 
 
 def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_tokens: int = 320,
-        echo=print, prefix: str = "r") -> None:
+        echo=print, prefix: str = "r", recipe: int = 1) -> None:
     """Add rounds to `out` until its answers hold `answer_tokens` tokens. `prefix` starts every row
-    id, so folders answered by different targets (fp32, int4) can be fitted together."""
+    id, so folders answered by different targets (fp32, int4) or recipes can be fitted together."""
     out.mkdir(parents=True, exist_ok=True)
     done = shards.read_all(out)
     if done and not done[0]["id"].startswith(round_id(prefix, 0)):  # shards are read in round order
@@ -116,7 +142,7 @@ def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_to
     previous = [r for r in done if r["id"].startswith(round_id(prefix, rnd - 1))]
     start, made = time.perf_counter(), 0
     while total < answer_tokens:
-        rows = plan_round(target, rnd, seed, seen, previous, prefix)
+        rows = plan_round(target, rnd, seed, seen, previous, prefix, recipe)
         prompts_ids = [target.encode(target.render(shards.messages(r, by_id, target.decode))) for r in rows]
         for row, s in zip(rows, target.sample(prompts_ids, max_new_tokens, temperature=0.7, top_p=0.95,
                                               seed=seed * 100003 + rnd + 50000)):
