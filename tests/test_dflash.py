@@ -316,6 +316,21 @@ def test_eval_reports_tau_per_position_and_per_kind(qwen3_dflash, tmp_path):
     assert f"(block {BLOCK})" in result.output and "position 1: accepted" in result.output
     kinds = result.output.split("tau by prompt kind: ")[1]
     assert kinds.startswith("chat ") and ", code " in kinds
+    # --shard: a data round's one-turn requests, by source (a follow-up has no messages of its own)
+    from dflash.train import shards
+
+    shard = tmp_path / "shard-00000.npz"
+    shards.write(shard, [{"id": f"r00000-0{i}", "kind": kind, "source": source, "answer": [5, 6], "greedy": [5, 6],
+                          "ended": True, **({"messages": [{"role": "user", "content": text}]} if text else
+                                            {"parent": "r00000-00", "followup": "Why?"})}
+                         for i, (source, kind, text) in enumerate([("magpie", "chat", "hello there"),
+                                                                   ("template", "code", "def f(x):"),
+                                                                   ("followup", "chat", None)])])
+    result = CliRunner().invoke(main, ["eval", "--bundle", str(qwen3_dflash[0]), "--shard", str(shard),
+                                       "--max-new-tokens", "8"])
+    assert result.exit_code == 0, result.output
+    assert result.output.split("tau by prompt kind: ")[1].split(", ")[0].startswith("magpie-chat ")
+    assert "template-code " in result.output and "followup" not in result.output
 
 
 def test_a_drafter_reading_some_of_the_taps_matches_the_reference(qwen3_dflash, tmp_path):

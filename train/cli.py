@@ -191,14 +191,20 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
 @click.option("--prompts", type=click.Path(exists=True), help="JSONL prompt file (default: the benchmark set)")
 @click.option("--max-new-tokens", default=128, show_default=True)
 @click.option("--drafter", "drafter_name", default="dflash", show_default=True)
-def evaluate(bundle, prompts, max_new_tokens, drafter_name):
+@click.option("--shard", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="instead of --prompts: one-turn requests of a data shard, 9 per source (a round the drafter "
+                   "did not train on: acceptance on the data job's own sources)")
+def evaluate(bundle, prompts, max_new_tokens, drafter_name, shard):
     """Acceptance per block position and per prompt kind on a prompt file, through ONNX Runtime
     (a full block verified every step, so every position is tested)."""
     from dflash.bench.prompts import BENCHMARK, load_prompts
 
-    from .evaluate import evaluate as run, position_rates, tau
+    from .evaluate import evaluate as run, position_rates, shard_prompts, tau
 
-    result = run(bundle, load_prompts(prompts or BENCHMARK), max_new_tokens, drafter_name)
+    if shard and prompts:
+        raise click.UsageError("give --prompts or --shard, not both")
+    rows = shard_prompts(shard) if shard else load_prompts(prompts or BENCHMARK)
+    result = run(bundle, rows, max_new_tokens, drafter_name)
     hist, block = result["hist"], result["block"]
     click.echo(f"tau {tau(hist):.2f} over {sum(hist)} steps (block {block})")
     for position, rate in enumerate(position_rates(hist, block), 1):

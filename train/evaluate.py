@@ -3,6 +3,9 @@ step, so every block position is tested; tau overall, per block position and per
 
 from __future__ import annotations
 
+import random
+from pathlib import Path
+
 
 def add_counts(total: list[int], counts: list[int]) -> list[int]:
     """Element-wise sum of two histograms of accepted drafts per step."""
@@ -38,3 +41,18 @@ def evaluate(bundle, rows: list[dict], max_new_tokens: int, drafter: str) -> dic
         kind = row.get("kind", "all")
         by_kind[kind] = add_counts(by_kind.get(kind, []), s.accept_hist)
     return {"block": block, "hist": hist, "by_kind": by_kind}
+
+
+def shard_prompts(shard: Path, per_source: int = 9, seed: int = 0) -> list[dict]:
+    """Up to `per_source` one-turn requests of each source in a data shard, as prompt rows of
+    kind "source-kind": acceptance on the data job's own sources, to set beside the held-out
+    benchmark's (use a round the drafter did not train on)."""
+    from . import shards
+
+    rows = [r for r in shards.read(Path(shard)) if "messages" in r]
+    rng, picked = random.Random(seed), []
+    for source in sorted({r["source"] for r in rows}):
+        of_source = [r for r in rows if r["source"] == source]
+        for r in rng.sample(of_source, min(per_source, len(of_source))):
+            picked.append({"id": r["id"], "kind": f"{source}-{r['kind']}", "messages": r["messages"]})
+    return picked
