@@ -172,8 +172,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
     from dflash.runtime.bundle import tap_columns
 
     from .data import Target
-    from .fit import (LabelCache, draft_vocabulary, learning_rate, load_sequences, native_bf16, plot_history,
-                      resume_from, step_seconds, text_sequences)
+    from .fit import (LabelCache, draft_vocabulary, learning_rate, load_sequences, native_bf16, next_eval_at,
+                      plot_history, resume_from, step_seconds, text_sequences)
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
@@ -204,7 +204,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
     checkpoint = out / "checkpoint.pt"
     state = resume_from(checkpoint, "head", head, optimizer, rng, echo) if resume else None
     state = state or {"step": 0, "seconds": 0.0, "history": []}
-    bf16, budget, last_eval = native_bf16(), minutes * 60, time.perf_counter()
+    bf16, budget, eval_due = native_bf16(), minutes * 60, time.perf_counter() + 120
     while state["seconds"] < budget and (max_steps is None or state["step"] < max_steps):
         start = time.perf_counter()
         i = rng.choice(train_ids)
@@ -220,7 +220,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
         optimizer.step()
         state["step"] += 1
         state["seconds"] += step_seconds(start)
-        if time.perf_counter() - last_eval > 120 or state["seconds"] >= budget or state["step"] == max_steps:
+        if time.perf_counter() > eval_due or state["seconds"] >= budget or state["step"] == max_steps:
+            eval_start = time.perf_counter()
             tau = held_out_tau(head, cache, rows, held_ids, columns, embed, cos, sin)
             state["history"].append({"step": state["step"], "minutes": state["seconds"] / 60, "loss": loss.item(),
                                      "tau": tau})
@@ -229,7 +230,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
             save(head, out)
             torch.save({"head": head.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
                         "rng": rng.getstate()}, checkpoint)
-            last_eval = time.perf_counter()
+            eval_due = next_eval_at(eval_start)
     save(head, out)
     plot_history(state["history"], out / "training.png")
     return state

@@ -353,7 +353,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     bf16 = native_bf16()
     echo(f"training in {'bf16 autocast' if bf16 else 'fp32 (this CPU has no native bf16)'}")
     budget = minutes * 60
-    last_eval = time.perf_counter()
+    eval_due = time.perf_counter() + 120
     while state["seconds"] < budget and (max_steps is None or state["step"] < max_steps):
         start = time.perf_counter()
         i = draw_row(pools, int4_share, rng)
@@ -376,7 +376,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         optimizer.step()
         state["step"] += 1
         state["seconds"] += step_seconds(start)
-        if time.perf_counter() - last_eval > 120 or state["seconds"] >= budget or state["step"] == max_steps:
+        if time.perf_counter() > eval_due or state["seconds"] >= budget or state["step"] == max_steps:
+            eval_start = time.perf_counter()
             tau = held_out_tau(drafter, rows, cache, held_ids, embed, lm_head, cos, sin)
             seen_tau = held_out_tau(drafter, rows, cache, seen_ids, embed, lm_head, cos, sin)
             state["history"].append({"step": state["step"], "minutes": state["seconds"] / 60,
@@ -386,7 +387,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
             save(drafter, config, d2t, out)
             torch.save({"drafter": drafter.state_dict(), "optimizer": optimizer.state_dict(), "state": state,
                         "rng": rng.getstate()}, checkpoint)
-            last_eval = time.perf_counter()
+            eval_due = next_eval_at(eval_start)
     save(drafter, config, d2t, out)
     plot_history(state["history"], out / "training.png")
     return state
@@ -452,6 +453,14 @@ def warm_start(drafter, folder, echo) -> None:
 # A step takes well under a second; one that took longer than this was paused (SIGSTOP while
 # something was timed) and counts as this much, so pausing a fit does not spend its budget.
 MAX_STEP_SECONDS = 5.0
+
+
+def next_eval_at(started: float) -> float:
+    """When the held-out estimate that began at `started` (time.perf_counter()) and just ended is
+    next due: 2 minutes on, or later where estimates are slow (one thread: ~30 s for the two
+    sets), so they take at most a fifth of the wall time."""
+    now = time.perf_counter()
+    return now + max(120.0, 4 * (now - started))
 
 
 def step_seconds(start: float) -> float:
