@@ -91,6 +91,12 @@ def round_id(prefix: str, rnd: int) -> str:
     return f"{prefix}{rnd:05d}-"
 
 
+def user_turns(row: dict) -> int:
+    """User turns in a row's conversation (recipe 1 does not record it: there a follow-up had two,
+    any other row one)."""
+    return row.get("turns", 2 if row["source"] == "followup" else 1)
+
+
 def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[dict], prefix: str = "r",
                recipe: int = 1) -> list[dict]:
     """The requests of one round, each with its provenance."""
@@ -99,12 +105,12 @@ def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[di
     rows = [{"kind": "chat", "source": "magpie", "messages": [{"role": "user", "content": t}]}
             for t in magpie_requests(target, rng, seen, seed * 100003 + rnd)[: mix["magpie"]]]
     parents = [r for r in previous if len(r["answer"]) >= 16 and not looping(r["answer"])
-               and r.get("turns", 2 if r["source"] == "followup" else 1) < depth]
+               and user_turns(r) < depth]
     for parent in rng.sample(parents, min(mix["followup"], len(parents))):
         row = {"kind": parent["kind"], "source": "followup", "parent": parent["id"],
                "followup": rng.choice(prompts.FOLLOWUPS)}
         if recipe != 1:
-            row["turns"] = parent.get("turns", 1) + 1
+            row["turns"] = user_turns(parent) + 1
         rows.append(row)
     if mix.get("passage"):
         for text in passages(target, rng, seed * 100003 + rnd + 25000)[: mix["passage"]]:
