@@ -31,24 +31,30 @@ def test_anchors_and_label_rows_stay_inside_the_sequence():
     assert label_rows([17, 18], 4, 20).tolist() == [[17, 18, -1], [18, -1, -1]]
 
 
-def test_greedy_path_keeps_a_position_only_while_the_data_before_it_is_the_argmax():
-    from dflash.train.fit import greedy_path
+def test_greedy_path_keeps_a_position_only_while_the_data_before_it_is_the_argmax_and_draftable():
+    from dflash.train.fit import greedy_path, target_to_draft
     from dflash.train.objective import label_rows
 
     rng = random.Random(1)
-    d2t = torch.tensor([3, 5, 8, 13])  # draft id -> target id
-    tokens = torch.tensor([rng.choice([3, 5, 8, 13]) for _ in range(30)])
-    top = torch.tensor([rng.randrange(4) for _ in range(30)])  # each row's argmax, in draft ids
-    anchors, block = [0, 4, 11, 26], 6
+    d2t = torch.tensor([3, 5, 8, 13])  # draft id -> target id; 21 lies outside the draft vocabulary
+    tokens = torch.tensor([rng.choice([3, 5, 8, 13, 21]) for _ in range(40)])
+    # each row's argmax (target ids): mostly the data's next token, as along a greedy answer
+    argmax = torch.tensor([int(t) if rng.random() < 0.8 else rng.choice([3, 5, 8, 13, 21])
+                           for t in [*tokens[1:], 3]])
+    anchors, block = [0, 4, 11, 26, 33], 6
     rows = label_rows(anchors, block, len(tokens))
-    keep = greedy_path(top, tokens, rows, d2t)
+    keep = greedy_path(argmax, tokens, rows, target_to_draft(d2t))
     for n, a in enumerate(anchors):
         for k in range(1, block):  # position k predicts token a+k; tokens a+1..a+k-1 come before it
             if rows[n, k - 1] < 0:
                 continue  # past the end: no label at all
-            expected = all(int(tokens[a + j]) == int(d2t[top[a + j - 1]]) for j in range(1, k))
+            expected = all(int(tokens[a + j]) == int(argmax[a + j - 1]) and int(tokens[a + j]) != 21
+                           for j in range(1, k))
             assert bool(keep[n, k - 1]) == expected, (a, k)
     assert keep[:, 0].all() and not keep.all()
+    # without a draft vocabulary every token is draftable
+    whole = greedy_path(argmax, tokens, rows)
+    assert (whole >= keep).all() and not torch.equal(whole, keep)
 
 
 def test_int4_share_sets_the_fraction_of_steps_on_the_int4_answers():
@@ -254,12 +260,23 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     from safetensors.torch import load_file
     saved, loaded = (load_file(str(tmp_path / d / "model.safetensors")) for d in ("drafter", "warm"))
     assert saved.keys() == loaded.keys() and all(torch.equal(saved[k], loaded[k]) for k in saved)
-    # warm-started on other data into a new cache: it keeps the vocabulary its weights learned
+    # warm-started on other data: the draft vocabulary is that data's (the drafter scores it with the
+    # target's own lm_head rows); resumed, a fit keeps the vocabulary its checkpoint learned
     from dflash.export.dflash import DFlashDrafter
+    from dflash.train.fit import draft_vocabulary
 
-    train(source, manifest, [tmp_path / "data4"], tmp_path / "warm4", tmp_path / "cache_warm4", max_steps=0,
-          init_from=tmp_path / "drafter", **{**options, "text_tokens": 0})
-    assert torch.equal(DFlashDrafter.load(tmp_path / "warm4").d2t, DFlashDrafter.load(tmp_path / "drafter").d2t)
+    warm4 = dict(options, text_tokens=0)
+    train(source, manifest, [tmp_path / "data4"], tmp_path / "warm4", tmp_path / "cache", max_steps=1,
+          init_from=tmp_path / "drafter", **warm4)
+    vocabulary = DFlashDrafter.load(tmp_path / "warm4").d2t
+    expected = draft_vocabulary(load_sequences([tmp_path / "data4"], target), options["draft_vocab"],
+                                source.model.config.vocab_size)
+    assert torch.equal(vocabulary, expected)
+    train(source, manifest, [tmp_path / "data"], tmp_path / "warm4", tmp_path / "cache", max_steps=2, resume=True,
+          **warm4)
+    assert torch.equal(DFlashDrafter.load(tmp_path / "warm4").d2t, vocabulary)
+    assert not torch.equal(vocabulary, draft_vocabulary(load_sequences([tmp_path / "data"], target),
+                                                        options["draft_vocab"], source.model.config.vocab_size))
     # a deeper drafter grown from it: the new layer starts as the identity, so the same logits
     train(source, manifest, [tmp_path / "data"], tmp_path / "deeper", tmp_path / "cache", max_steps=0,
           init_from=tmp_path / "drafter", **{**options, "layers": 2})
@@ -327,9 +344,8 @@ def test_label_cache_resumes_where_it_stopped(tmp_path):
             assert torch.equal(a, b)
 
 
-def test_label_cache_stores_int8_features_and_converts_fp16_caches(tmp_path):
-    """Features are int8 with a scale per token and tap (within 1% of the target's); a cache
-    written before, with fp16 features, is converted when opened and then reads the same."""
+def test_label_cache_stores_int8_features(tmp_path):
+    """Features are int8 with a scale per token and tap (within 1% of the target's)."""
     from tiny_models import make_model, make_tokenizer
 
     from dflash.train.fit import LabelCache
@@ -344,13 +360,6 @@ def test_label_cache_stores_int8_features_and_converts_fp16_caches(tmp_path):
     exact = torch.cat([hidden[2][0], hidden[3][0]], -1)
     stored = cache.sequence(0)[0]
     assert (stored - exact).norm() / exact.norm() < 0.01
-    before = [cache.sequence(i)[0] for i in range(3)]
-    np.save(tmp_path / "features.npy", torch.cat(before).half().numpy())  # the old format
-    (tmp_path / "scales.npy").unlink()
-    reopened = LabelCache(tmp_path, rows, [1, 2], 64)
-    assert reopened.done == 3 and np.load(tmp_path / "features.npy", mmap_mode="r").dtype == np.int8
-    for i in range(3):
-        assert torch.allclose(reopened.sequence(i)[0], before[i], rtol=0.02, atol=0.02 * before[i].abs().max().item())
 
 
 def test_ort_engine_answers_with_the_bundles_own_graph(tiny, tmp_path, small_rounds):
@@ -458,8 +467,17 @@ def test_label_cache_grows_when_data_is_appended(tmp_path):
     whole.build(model, echo=lambda m: None)
     first = LabelCache(tmp_path / "b", rows[:3], [1, 2], 64, d2t)
     first.build(model, echo=lambda m: None)
-    assert torch.equal(LabelCache.vocabulary(tmp_path / "b", 100), d2t)
-    assert LabelCache.vocabulary(tmp_path / "b", 50) is None  # another size: a new vocabulary
+    # labels are kept over the whole vocabulary: another draft vocabulary reads the same cache
+    every = LabelCache(tmp_path / "b", rows[:3], [1, 2], 64)
+    other = torch.arange(1, 150, 3)
+    reread = LabelCache(tmp_path / "b", rows[:3], [1, 2], 64, other)
+    assert every.done == reread.done == 3
+    for i in range(3):
+        ids, mapped = every.sequence(i)[1], reread.sequence(i)[1]
+        inside = torch.isin(ids, other)
+        assert inside.any() and not inside.all()
+        assert torch.equal(mapped[inside], torch.searchsorted(other, ids[inside])) and (mapped[~inside] == -1).all()
+        assert torch.equal(reread.argmax(i), ids[:, 0])  # the argmax stays in target ids
     grown = LabelCache(tmp_path / "b", rows, [1, 2], 64, d2t)
     assert grown.done == 3  # the first three rows are kept, only the new ones are labelled
     grown.build(model, echo=lambda m: None)

@@ -107,7 +107,8 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
               "bundle's taps nearest EAGLE-3's low, middle and high layers")
 @click.option("--layers", default=1, show_default=True)
 @click.option("--block", default=16, show_default=True)
-@click.option("--draft-vocab", type=int, help="restrict outputs to the N most frequent tokens")
+@click.option("--draft-vocab", type=int, help="restrict outputs to the N most frequent answer tokens of the data "
+              "(a --resume keeps the fit's own; the label cache serves any N)")
 @click.option("--minutes", default=30.0, show_default=True, help="training time budget")
 @click.option("--anchors", default=32, show_default=True, help="blocks per sequence and step")
 @click.option("--lr", default=6e-4, show_default=True)

@@ -143,6 +143,18 @@ def warm_start(head, folder, layers: int, echo) -> None:
     echo(f"started from the weights in {folder}")
 
 
+def head_vocabulary(folder, layers: int, size: int):
+    """The draft vocabulary (target ids) of the head saved in `folder`, if there is one of `size` tokens."""
+    import torch
+
+    from dflash.export.eagle3 import Eagle3Head
+
+    if folder is None or not (Path(folder) / "model.safetensors").is_file():
+        return None
+    d2t = Eagle3Head.load(folder, layers).d2t
+    return d2t + torch.arange(len(d2t)) if len(d2t) == size else None
+
+
 def save(head, out: Path) -> None:
     """The head in the reference layout: config.json + model.safetensors (midlayer.*, d2t), its
     weights in bf16 like the published heads (half the size; the exporter runs them in fp32)."""
@@ -188,9 +200,10 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, taps=None, d
     if missing:
         raise ValueError(f"the head's taps {taps} are not all among the bundle's {manifest['taps']}")
     rows = text_sequences(Target(target_source), text_tokens, seed) + load_sequences(data_dirs, Target(target_source))
-    d2t = LabelCache.vocabulary(cache_dir, draft_vocab)
+    # the head's lm_head rows are its own: a resumed or warm-started head keeps its vocabulary
+    d2t = head_vocabulary(out if resume else init_from, tc.num_hidden_layers, draft_vocab)
     d2t = draft_vocabulary(rows, draft_vocab, tc.vocab_size) if d2t is None else d2t
-    cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t, echo=echo)
+    cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t)
     cache.build(target, echo)
     columns = torch.from_numpy(tap_columns(manifest["taps"], tc.hidden_size, taps))
     head = new_head(tc, taps, d2t, target.lm_head.weight.detach().float(), seed)

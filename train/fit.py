@@ -20,7 +20,7 @@ import numpy as np
 from . import shards, texts
 from .objective import block_logits, first_pass_drafts, label_rows, position_weights, sample_anchors, soft_loss
 
-SOFT_K = 16  # soft labels kept per position: the target's 16 most likely draft-vocabulary tokens
+SOFT_K = 16  # soft labels kept per position: the target's 16 most likely tokens
 
 
 def load_sequences(folders, target, from_round: int = 0) -> list[dict]:
@@ -62,22 +62,39 @@ def text_sequences(target, tokens: int, seed: int = 0, length: int = 384) -> lis
 
 
 def draft_vocabulary(rows, size: int, vocab: int):
-    """The `size` most frequent tokens of the answers and prompts (EAGLE-3's reduced
-    vocabulary), ascending ids."""
+    """The `size` most frequent tokens of the answers (EAGLE-3's reduced vocabulary: the tokens
+    a drafter has to draft; prompts, which multi-turn rows repeat, would skew the counts towards
+    what prompt lookup copies anyway), ascending ids."""
     import torch
 
     counts = torch.zeros(vocab, dtype=torch.long)
     for r in rows:
-        counts += torch.bincount(torch.tensor(r["answer"] + r["prompt"]), minlength=vocab)
+        counts += torch.bincount(torch.tensor(r["answer"]), minlength=vocab)
     return torch.sort(torch.topk(counts, min(size, vocab)).indices).values
+
+
+def target_to_draft(d2t):
+    """The inverse of a draft vocabulary (d2t: draft id -> target id): target id -> draft id, -1
+    for every target id outside it (its last entry stands for all ids past the largest in d2t)."""
+    import torch
+
+    t2d = torch.full((int(d2t.max()) + 2,), -1, dtype=torch.long)
+    t2d[d2t] = torch.arange(len(d2t))
+    return t2d
+
+
+def draft_ids(t2d, ids):
+    """Target ids as draft ids (-1 outside the draft vocabulary); all of them when t2d is None."""
+    return ids if t2d is None else t2d[ids.clamp(max=len(t2d) - 1)]
 
 
 class LabelCache:
     """Per token of every sequence: the target's tap features (int8, one fp16 scale per tap) and
-    its top-k distribution over the draft vocabulary (ids in draft space, probabilities of the full
-    softmax), in memory-mapped files under `folder`.  int8 halves fp16's ~6 KB a token, and
-    leaves the drafter's held-out estimate where it was (fit 9: 1.6637 fp16, 1.6654 int8); a cache
-    of fp16 features from before is converted when opened.
+    its top-k distribution over the whole vocabulary (target ids), in memory-mapped files under
+    `folder`.  A draft vocabulary `d2t` applies when a sequence is read, so one cache serves
+    drafters of any draft vocabulary (caches from before stop 37 kept draft ids: they are labelled
+    again).  int8 features take half of fp16's ~6 KB a token and leave the drafter's held-out
+    estimate where it was (fit 9: 1.6637 fp16, 1.6654 int8).
 
     Sequences are stored by id in the order they were first labelled, and a later run keeps every
     labelled one it still uses: new answers and more offline text (a larger --text-tokens) are
@@ -85,10 +102,10 @@ class LabelCache:
 
     ARRAYS = {"features": np.int8, "scales": np.float16, "soft_ids": np.int32, "soft_p": np.float16}
 
-    def __init__(self, folder: Path, rows, taps, hidden: int, d2t=None, target_dtype: str = "fp32", echo=print):
+    def __init__(self, folder: Path, rows, taps, hidden: int, d2t=None, target_dtype: str = "fp32"):
         self.folder, self.taps, self.d2t = Path(folder), list(taps), d2t
-        identity = [self.taps, d2t.tolist() if d2t is not None else []]
-        identity += [target_dtype] if target_dtype != "fp32" else []  # fp32 caches keep their old kind
+        self.t2d = None if d2t is None else target_to_draft(d2t)
+        identity = [self.taps, "whole-vocabulary labels"] + ([target_dtype] if target_dtype != "fp32" else [])
         kind = hashlib.sha256(json.dumps(identity).encode()).hexdigest()[:16]
         self.folder.mkdir(parents=True, exist_ok=True)
         self.state_file = self.folder / "state.json"
@@ -107,8 +124,6 @@ class LabelCache:
         self.rows_by_id = {r["id"]: r for r in rows}
         kept_tokens = int(self.storage_offsets[self.done])
         widths = {"features": len(self.taps) * hidden, "scales": len(self.taps), "soft_ids": SOFT_K, "soft_p": SOFT_K}
-        if kept_tokens:
-            self._convert_fp16_features(echo)
         for name, dtype in self.ARRAYS.items():
             setattr(self, name, self._open(name, dtype, (int(self.storage_offsets[-1]), widths[name]), kept_tokens))
 
@@ -127,37 +142,6 @@ class LabelCache:
             return np.lib.format.open_memmap(path, "r+")
         return np.lib.format.open_memmap(path, "w+", dtype, shape)
 
-    def _convert_fp16_features(self, echo, rows: int = 1 << 16) -> None:
-        """Rewrite a cache's fp16 features (the format before int8) as int8 and scales, in place."""
-        path = self.folder / "features.npy"
-        old = np.load(path, mmap_mode="r") if path.is_file() else None
-        if old is None or old.dtype != np.float16:
-            return
-        n = len(old)
-        echo(f"  converting the fp16 features of {n} tokens in {self.folder} to int8 (once; ~1 min per 1M tokens)")
-        features = np.lib.format.open_memmap(self.folder / "features.int8.npy", "w+", np.int8, old.shape)
-        scales = np.lib.format.open_memmap(self.folder / "scales.npy", "w+", np.float16, (n, len(self.taps)))
-        for lo in range(0, n, rows):
-            hi = min(lo + rows, n)
-            features[lo:hi], scales[lo:hi] = quantize_features(np.asarray(old[lo:hi], np.float32), len(self.taps))
-        features.flush()
-        scales.flush()
-        del old, features, scales
-        (self.folder / "features.int8.npy").replace(path)
-
-    @staticmethod
-    def vocabulary(folder: Path, size: int):
-        """The draft vocabulary a cache in `folder` was labelled with, if it has `size` tokens:
-        keeping it keeps the cache valid when new data shifts the token counts."""
-        import torch
-
-        path = Path(folder) / "d2t.npy"
-        if path.is_file():
-            d2t = np.load(path)
-            if len(d2t) == size:
-                return torch.from_numpy(d2t.astype(np.int64))
-        return None
-
     def build(self, model, echo=print) -> None:
         """Run the target over every sequence not labelled yet, in storage order (resumable).
         `model`: a transformers model, or an OrtLabeller (the exported graph in ONNX Runtime)."""
@@ -170,10 +154,7 @@ class LabelCache:
                 features, logits = self._forward(model, row["prompt"] + row["answer"])
                 lo, hi = self.storage_offsets[k], self.storage_offsets[k + 1]
                 self.features[lo:hi], self.scales[lo:hi] = quantize_features(features.float().numpy(), len(self.taps))
-                probs = torch.softmax(logits.float(), -1)
-                if self.d2t is not None:
-                    probs = probs[:, self.d2t]
-                top = probs.topk(SOFT_K, dim=-1)
+                top = torch.softmax(logits.float(), -1).topk(SOFT_K, dim=-1)
                 self.soft_ids[lo:hi] = top.indices.numpy()
                 self.soft_p[lo:hi] = top.values.half().numpy()
                 if (k + 1) % 50 == 0 or k + 1 == total:
@@ -195,21 +176,30 @@ class LabelCache:
     def _save(self, done: int) -> None:
         for array in (self.features, self.scales, self.soft_ids, self.soft_p):
             array.flush()
-        if self.d2t is not None:
-            np.save(self.folder / "d2t.npy", self.d2t.numpy().astype(np.int32))
         self.done = done
         self.state_file.write_text(json.dumps({"kind": self.kind, "rows": self.stored[:done], "done": done}))
 
     def sequence(self, i: int):
-        """(features [L, T*H] float32, soft ids [L, K], soft probs [L, K]) of training row i."""
+        """(features [L, T*H] float32, soft ids [L, K] in the draft vocabulary (-1 outside it), soft
+        probs [L, K]) of training row i."""
         import torch
 
-        lo, hi = self.storage_offsets[self.slot[i]], self.storage_offsets[self.slot[i] + 1]
+        lo, hi = self._span(i)
         features = np.asarray(self.features[lo:hi], np.float32).reshape(hi - lo, len(self.taps), -1)
         features *= np.asarray(self.scales[lo:hi], np.float32)[..., None]
-        return (torch.from_numpy(features.reshape(hi - lo, -1)),
-                torch.from_numpy(np.asarray(self.soft_ids[lo:hi], np.int64)),
+        ids = torch.from_numpy(np.asarray(self.soft_ids[lo:hi], np.int64))
+        return (torch.from_numpy(features.reshape(hi - lo, -1)), draft_ids(self.t2d, ids),
                 torch.from_numpy(np.asarray(self.soft_p[lo:hi])))
+
+    def argmax(self, i: int):
+        """[L] the target's argmax after each token of training row i (target ids)."""
+        import torch
+
+        lo, hi = self._span(i)
+        return torch.from_numpy(np.asarray(self.soft_ids[lo:hi, 0], np.int64))
+
+    def _span(self, i: int) -> tuple[int, int]:
+        return self.storage_offsets[self.slot[i]], self.storage_offsets[self.slot[i] + 1]
 
 
 def quantize_features(x: np.ndarray, taps: int) -> tuple[np.ndarray, np.ndarray]:
@@ -229,21 +219,21 @@ def block_labels(cache: LabelCache, i: int, anchors, block: int, greedy_tokens=N
     rows = label_rows(anchors, block, len(ids))
     valid = rows >= 0
     if greedy_tokens is not None:
-        valid &= greedy_path(ids[:, 0], greedy_tokens, rows, cache.d2t)
+        valid &= greedy_path(cache.argmax(i), greedy_tokens, rows, cache.t2d)
     return ids[rows.clamp(min=0)], probs[rows.clamp(min=0)], valid.float()
 
 
-def greedy_path(top_ids, tokens, rows, d2t):
+def greedy_path(argmax, tokens, rows, t2d=None):
     """[n, B-1] whether block position k's label is on the target's greedy path: every data token
-    between the anchor and position k is the target's argmax.  A verify accepts position k only
-    then, so a label past a sampled detour trains the drafter on a prefix it never drafts from.
-    The argmax is the top soft label (over the draft vocabulary: a token outside it can never be
-    accepted anyway)."""
+    between the anchor and position k is the target's argmax (`argmax`: target ids), and one the
+    draft vocabulary holds (`t2d`: target id -> draft id, -1 outside).  A verify accepts position
+    k only then, so a label past a sampled detour, or past a token the drafter cannot draft,
+    trains the drafter on a prefix it never drafts from."""
     import torch
 
-    argmax = top_ids if d2t is None else d2t[top_ids]
     on = torch.zeros(len(tokens), dtype=torch.bool)  # on[r]: token r+1 is row r's argmax
     on[:-1] = tokens[1:] == argmax[:-1]
+    on[:-1] &= draft_ids(t2d, tokens[1:]) >= 0
     steps = on[rows.clamp(min=0)]
     keep = torch.ones_like(steps)
     keep[:, 1:] = steps[:, :-1].int().cumprod(-1).bool()
@@ -255,11 +245,14 @@ class MixedCaches:
     0..len(first)-1 are the first cache's, the rest the second's."""
 
     def __init__(self, first: LabelCache, second: LabelCache):
-        self.parts, self.d2t = (first, second), first.d2t
+        self.parts, self.d2t, self.t2d = (first, second), first.d2t, first.t2d
         self.split = len(first.slot)
 
     def sequence(self, i: int):
         return self.parts[0].sequence(i) if i < self.split else self.parts[1].sequence(i - self.split)
+
+    def argmax(self, i: int):
+        return self.parts[0].argmax(i) if i < self.split else self.parts[1].argmax(i - self.split)
 
 
 def draw_row(pools, int4_share, rng) -> int:
@@ -310,11 +303,11 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     tc = target.config
     d2t = None
     if draft_vocab:
-        d2t = LabelCache.vocabulary(cache_dir, draft_vocab)
-        if d2t is None and init_from and not resume:  # a warm start keeps the vocabulary its weights learned
-            d2t = warm_start_vocabulary(init_from, draft_vocab)
+        # a resumed fit keeps its vocabulary; any other takes this data's most frequent tokens (a
+        # warm start too: the drafter scores them with the target's own lm_head rows)
+        d2t = saved_vocabulary(out, draft_vocab) if resume else None
         d2t = draft_vocabulary(rows, draft_vocab, tc.vocab_size) if d2t is None else d2t
-    cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t, target_dtype, echo)
+    cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t, target_dtype)
     if cache.done < len(cache.stored):
         cache.build(labeller(target, target_dtype), echo)
     train_ids, held_ids = held_out_split(len(rows))  # for the acceptance estimate
@@ -323,7 +316,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         rows4 = load_sequences(int4_data_dirs, tokenizer, from_round)
         # the kind names the labeller: a cache the emulation labelled is relabelled by the bundle
         kind = "int4 bundle" if int4_bundle else "int4"
-        cache4 = LabelCache(Path(cache_dir) / "int4", rows4, manifest["taps"], tc.hidden_size, d2t, kind, echo)
+        cache4 = LabelCache(Path(cache_dir) / "int4", rows4, manifest["taps"], tc.hidden_size, d2t, kind)
         if cache4.done < len(cache4.stored):
             cache4.build(labeller(target, "int4", int4_bundle, manifest["taps"]), echo)
         train4, held4 = held_out_split(len(rows4), len(rows))
@@ -414,10 +407,12 @@ def labeller(target, target_dtype: str, bundle=None, taps=()):
     return emulate_int4(copy.deepcopy(target))  # a copy: the drafter keeps the fp32 embedding and lm_head
 
 
-def warm_start_vocabulary(folder, size: int):
-    """The draft vocabulary of the drafter in `folder`, if it has `size` tokens."""
+def saved_vocabulary(folder: Path, size: int):
+    """The draft vocabulary of the drafter a fit saved in `folder`, if there is one of `size` tokens."""
     from dflash.export.dflash import DFlashDrafter
 
+    if not (Path(folder) / "model.safetensors").is_file():
+        return None
     d2t = DFlashDrafter.load(folder).d2t
     return d2t if d2t is not None and len(d2t) == size else None
 
