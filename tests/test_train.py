@@ -2,6 +2,7 @@
 (data -> resume -> fit -> resume -> export -> lossless decoding) on a tiny target, in seconds."""
 
 import random
+import types
 
 import numpy as np
 import pytest
@@ -92,6 +93,41 @@ def test_soft_loss_is_cross_entropy_for_one_hot_labels_and_ignores_outside_ids()
     expected = torch.nn.functional.cross_entropy(logits.reshape(-1, 10), hard.reshape(-1), reduction="none")
     expected = (expected.view(2, 3) * w).sum() / (2 * w.sum())
     assert torch.allclose(soft_loss(logits, ids, probs, valid, w), expected, atol=1e-6)
+
+
+def test_loss_over_labelled_rows_only_equals_the_whole_blocks_loss():
+    from dflash.export.dflash import DFlashConfig, DFlashDrafter
+    from dflash.train.fit import _zlab_config
+    from dflash.train.objective import block_logits, labelled_rows, position_weights, soft_loss
+
+    torch.manual_seed(0)
+    tc = types.SimpleNamespace(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=64,
+                               rms_norm_eps=1e-6, rope_theta=10000.0, max_position_embeddings=64, vocab_size=100,
+                               num_hidden_layers=4, hidden_act="silu", head_dim=8)
+    drafter = DFlashDrafter(DFlashConfig.from_dict(_zlab_config(tc, {"taps": [1, 2]}, 1, 4, 0)))
+    c = drafter.config
+    features, tokens = torch.randn(12, 2 * 32), torch.randint(0, 100, (12,))
+    embed, lm_head = torch.randn(100, 32), torch.randn(32, 20)
+    cos, sin = c.rotary_tables(32)
+    ids = torch.randint(-1, 20, (3, 3, 2))
+    ids[0, 1] = -1  # all of its label outside the draft vocabulary
+    probs, valid, w = torch.rand(3, 3, 2), torch.tensor([[1.0, 1, 0], [1, 0, 0], [1, 1, 1]]), position_weights(4)
+
+    def loss_and_grads(rows):
+        drafter.zero_grad()
+        logits = block_logits(drafter, features, tokens, [1, 4, 8], embed, lm_head, cos, sin, rows=rows)
+        if rows is None:
+            loss = soft_loss(logits, ids, probs, valid, w)
+        else:
+            loss = soft_loss(logits, ids[rows], probs[rows], valid[rows], w.expand_as(valid)[rows])
+        loss.backward()
+        return loss.detach(), [p.grad.clone() for p in drafter.parameters()]
+
+    keep = labelled_rows(valid, ids)
+    assert keep.sum() == 5
+    (whole, whole_grads), (kept, kept_grads) = loss_and_grads(None), loss_and_grads(keep)
+    assert torch.allclose(whole, kept, atol=1e-6)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(whole_grads, kept_grads))
 
 
 def test_self_written_requests_are_filtered_and_deduplicated():

@@ -45,10 +45,12 @@ def _rotate(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def block_logits(drafter, features, tokens, anchors, embed, lm_head, cos, sin, filled=None):
+def block_logits(drafter, features, tokens, anchors, embed, lm_head, cos, sin, filled=None, rows=None):
     """Logits [n_blocks, B-1, V'] of every block for one sequence (plain torch, differentiable).
     `filled` [n_blocks, B-1] (target token ids): a refining pass, whose block rows 1..B-1 hold a
-    first pass's drafts instead of the mask token."""
+    first pass's drafts instead of the mask token.  `rows` [n_blocks, B-1] (bool): only those
+    positions' logits [m, V'] (the head over the draft vocabulary is over half a step's work, and
+    most positions of a block carry no label; see labelled_rows)."""
     import torch
 
     c = drafter.config
@@ -78,7 +80,8 @@ def block_logits(drafter, features, tokens, anchors, embed, lm_head, cos, sin, f
             v.transpose(0, 1).repeat_interleave(group, 0)[None], attn_mask=mask)[0]
         x = x + a.o_proj(out.transpose(0, 1).reshape(len(block_pos), -1))
         x = x + layer.mlp(_rms(x, layer.post_attention_layernorm.weight, c.eps))
-    hidden = _rms(x.view(len(anchors), b, -1)[:, 1:], drafter.norm.weight, c.eps)
+    hidden = x.view(len(anchors), b, -1)[:, 1:]
+    hidden = _rms(hidden if rows is None else hidden[rows], drafter.norm.weight, c.eps)
     return hidden @ lm_head * c.output_multiplier
 
 
@@ -103,10 +106,17 @@ def label_rows(anchors, block: int, length: int):
     return torch.where(rows + 1 < length, rows, torch.tensor(-1))
 
 
+def labelled_rows(valid, label_ids):
+    """[n, B-1] the block positions the loss weighs: a label on the greedy path (`valid`) with some
+    of its mass inside the draft vocabulary.  With --greedy-only ~60% of positions have none."""
+    return (valid > 0) & (label_ids >= 0).any(-1)
+
+
 def soft_loss(logits, label_ids, label_probs, valid, weights):
-    """Soft cross-entropy of the drafter's logits [n, B-1, V'] against the target's top-k
+    """Soft cross-entropy of the drafter's logits [..., V'] against the target's top-k
     distribution (ids in the draft vocabulary, -1 outside it; probabilities renormalised over
-    what the draft vocabulary holds), weighted by block position."""
+    what the draft vocabulary holds), weighted by block position (`weights` broadcasts against
+    `valid`: [B-1] for whole blocks [n, B-1], or one weight per row for selected rows [m])."""
     import torch
 
     logp = torch.log_softmax(logits.float(), dim=-1)
@@ -114,7 +124,7 @@ def soft_loss(logits, label_ids, label_probs, valid, weights):
     p = label_probs.float() * inside
     p = p / p.sum(-1, keepdim=True).clamp(min=1e-9)
     per_row = -(logp.gather(-1, label_ids.clamp(min=0)) * p).sum(-1)  # [n, B-1]
-    w = weights[None, :] * valid * inside.any(-1)
+    w = weights * valid * inside.any(-1)
     return (per_row * w).sum() / w.sum().clamp(min=1e-9)
 
 
