@@ -262,6 +262,10 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     assert later_rounds and [r["id"] for r in later_rounds] == [
         r["id"] for r in load_sequences([tmp_path / "data"], target) if shards.round_of(r["id"]) >= 1]
     assert any(r["source"] == "followup" and r["id"].startswith("r00001") for r in later_rounds)
+    # one first round per folder: the later rounds of one, all of the other
+    mixed = load_sequences([tmp_path / "data", tmp_path / "data4"], target, from_round=[1, 0])
+    assert [r["id"] for r in mixed] == [r["id"] for r in later_rounds] + [
+        r["id"] for r in load_sequences([tmp_path / "data4"], target)]
 
     manifest = __import__("json").loads((tmp_path / "bundle" / "dflash.json").read_text())
     sequences = load_sequences([tmp_path / "data"], target)
@@ -547,6 +551,11 @@ def test_missing_data_is_a_clear_error(tmp_path):
     result = CliRunner().invoke(main, ["fit", "--target", str(tmp_path), "--data", str(tmp_path / "empty"),
                                        "--out", str(tmp_path / "out")])
     assert result.exit_code != 0 and "run `dflash-train data` first" in result.output
+    (tmp_path / "data").mkdir()
+    (tmp_path / "data" / "shard-00000.npz").touch()
+    result = CliRunner().invoke(main, ["fit", "--target", str(tmp_path), "--data", str(tmp_path / "data"),
+                                       "--from-round", "1", "--from-round", "2", "--out", str(tmp_path / "out")])
+    assert result.exit_code != 0 and "2 --from-round for 1 data folders: give one for all" in result.output
 
 
 def test_suffix_corpus_drafts_the_majority_continuation_and_saves_steps():

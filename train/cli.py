@@ -137,9 +137,10 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
 @click.option("--int4-bundle", type=click.Path(exists=True, file_okay=False),
               help="with --int4-data: label those answers with this int4 bundle in ONNX Runtime (the exact taps "
                    "the runtime's drafter reads, several times faster than the emulation)")
-@click.option("--from-round", default=0, show_default=True,
+@click.option("--from-round", type=int, multiple=True,
               help="train on the answers of rounds N on only (with --init: a session's new answers, without "
-                   "labelling the earlier ones again)")
+                   "labelling the earlier ones again); once for every folder, or once per folder in the order "
+                   "given, --data folders then --int4-data folders  [default: 0]")
 @click.option("--refine", is_flag=True,
               help="dflash: also learn a second pass over the block with the first pass's drafts in place of "
                    "the masks (the runtime then drafts in two calls; see dflash/train/objective.py)")
@@ -162,6 +163,11 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
     empty = [str(d) for d in (*data_dirs, *int4_data_dirs) if not any(Path(d).glob("shard-*.npz"))]
     if empty:
         raise click.ClickException(f"no data shards in {', '.join(empty)}: run `dflash-train data` first")
+    folders = len(data_dirs) + len(int4_data_dirs)
+    if len(from_round) not in (0, 1, folders):
+        raise click.ClickException(f"{len(from_round)} --from-round for {folders} data folders: give one for all, "
+                                   "or one per folder (--data folders, then --int4-data folders)")
+    from_round = list(from_round) if len(from_round) > 1 else (from_round[0] if from_round else 0)
     if threads:
         torch.set_num_threads(threads)
     manifest, source = load_target(bundle)

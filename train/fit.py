@@ -24,11 +24,13 @@ from .objective import (block_logits, first_pass_drafts, label_rows, labelled_ro
 SOFT_K = 16  # soft labels kept per position: the target's 16 most likely tokens
 
 
-def load_sequences(folders, target, from_round: int = 0) -> list[dict]:
-    """Every shard row (of rounds `from_round` on) as {id, kind, source, prompt, answer} token ids,
-    prompts rebuilt with the target's chat template from the row's provenance (a follow-up's
-    parent may lie in an earlier round)."""
-    rows = [r for folder in folders for r in shards.read_all(folder)]
+def load_sequences(folders, target, from_round=0) -> list[dict]:
+    """Every shard row (of rounds `from_round` on: one round for all folders, or a list with one
+    per folder) as {id, kind, source, prompt, answer} token ids, prompts rebuilt with the target's
+    chat template from the row's provenance (a follow-up's parent may lie in an earlier round)."""
+    starts = first_rounds(from_round, len(folders))
+    read = [(r, start) for folder, start in zip(folders, starts, strict=True) for r in shards.read_all(folder)]
+    rows = [r for r, _ in read]
     if not rows:
         raise FileNotFoundError(f"no shards in {', '.join(map(str, folders))}: run `dflash-train data` first")
     by_id = {r["id"]: r for r in rows}
@@ -36,12 +38,17 @@ def load_sequences(folders, target, from_round: int = 0) -> list[dict]:
         raise ValueError(f"rows with the same id in {', '.join(map(str, folders))}: give each data folder "
                          "its own target dtype (row ids r... and q4r...), or fit one folder of each kind")
     out = []
-    for r in rows:
-        if len(r["answer"]) < 2 or shards.round_of(r["id"]) < from_round:
+    for r, start in read:
+        if len(r["answer"]) < 2 or shards.round_of(r["id"]) < start:
             continue
         prompt = target.encode(target.render(shards.messages(r, by_id, target.decode)))
         out.append({"id": r["id"], "kind": r["kind"], "source": r["source"], "prompt": prompt, "answer": r["answer"]})
     return out
+
+
+def first_rounds(from_round, folders: int) -> list[int]:
+    """The first round to read of each of `folders` folders: `from_round` is one for all, or a list."""
+    return list(from_round) if isinstance(from_round, (list, tuple)) else [from_round] * folders
 
 
 def text_sequences(target, tokens: int, seed: int = 0, length: int = 384) -> list[dict]:
@@ -284,7 +291,9 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     `int4_share`: the fraction of steps that draw one of those rows (default: by row count);
     `int4_bundle`: label those rows with this int4 bundle in ONNX Runtime instead (the taps the
     runtime's drafter reads, exactly, and several times faster than the emulation);
-    `refine`: also learn the refining second pass (objective.py); each step costs two passes."""
+    `refine`: also learn the refining second pass (objective.py); each step costs two passes;
+    `from_round`: train on rounds N on only, one N for every folder or a list of one per folder
+    (data_dirs, then int4_data_dirs)."""
     import torch
 
     from dflash.export.dflash import DFlashConfig, DFlashDrafter
@@ -300,7 +309,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         p.requires_grad_(False)
     tokenizer = Target(target_source)
     # offline text first: the held-out sequences are the newest answers (the last ones)
-    rows = text_sequences(tokenizer, text_tokens, seed) + load_sequences(data_dirs, tokenizer, from_round)
+    starts = first_rounds(from_round, len(data_dirs) + len(int4_data_dirs))  # data_dirs, then int4_data_dirs
+    rows = text_sequences(tokenizer, text_tokens, seed) + load_sequences(data_dirs, tokenizer, starts[:len(data_dirs)])
     tc = target.config
     d2t = None
     if draft_vocab:
@@ -314,7 +324,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     train_ids, held_ids = held_out_split(len(rows))  # for the acceptance estimate
     pools = [train_ids]  # training rows by kind; a step draws a kind, then a row of it
     if int4_data_dirs:
-        rows4 = load_sequences(int4_data_dirs, tokenizer, from_round)
+        rows4 = load_sequences(int4_data_dirs, tokenizer, starts[len(data_dirs):])
         # the kind names the labeller: a cache the emulation labelled is relabelled by the bundle
         kind = "int4 bundle" if int4_bundle else "int4"
         cache4 = LabelCache(Path(cache_dir) / "int4", rows4, manifest["taps"], tc.hidden_size, d2t, kind)
