@@ -167,7 +167,6 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
     if len(from_round) not in (0, 1, folders):
         raise click.ClickException(f"{len(from_round)} --from-round for {folders} data folders: give one for all, "
                                    "or one per folder (--data folders, then --int4-data folders)")
-    from_round = list(from_round) if len(from_round) > 1 else (from_round[0] if from_round else 0)
     if threads:
         torch.set_num_threads(threads)
     manifest, source = load_target(bundle)
@@ -176,7 +175,7 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
 
         if greedy_only:
             raise click.ClickException("--greedy-only is for --arch dflash (an EAGLE-3 head drafts one token a step)")
-        if target_dtype != "fp32" or int4_data_dirs or int4_bundle or refine or from_round:
+        if target_dtype != "fp32" or int4_data_dirs or int4_bundle or refine or any(from_round):
             raise click.ClickException("--target-dtype, --int4-data, --int4-bundle, --refine and --from-round are "
                                        "for --arch dflash; drop them for --arch eagle3")
 
@@ -189,7 +188,7 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
           seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
           target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, int4_share=int4_share,
-          int4_bundle=int4_bundle, refine=refine, from_round=from_round,
+          int4_bundle=int4_bundle, refine=refine, from_round=list(from_round) or 0,
           echo=lambda m: click.echo(m, err=True))
 
 

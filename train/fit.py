@@ -47,8 +47,10 @@ def load_sequences(folders, target, from_round=0) -> list[dict]:
 
 
 def first_rounds(from_round, folders: int) -> list[int]:
-    """The first round to read of each of `folders` folders: `from_round` is one for all, or a list."""
-    return list(from_round) if isinstance(from_round, (list, tuple)) else [from_round] * folders
+    """The first round to read of each of `folders` folders: `from_round` is one for all (an int or a
+    one-item list), or a list of one per folder."""
+    rounds = list(from_round) if isinstance(from_round, (list, tuple)) else [from_round]
+    return rounds * folders if len(rounds) == 1 else rounds
 
 
 def text_sequences(target, tokens: int, seed: int = 0, length: int = 384) -> list[dict]:
