@@ -431,6 +431,15 @@ def test_ort_engine_answers_with_the_bundles_own_graph(tiny, tmp_path, small_rou
     result = CliRunner().invoke(main, ["data", "--target", str(bundle), "--out", str(tmp_path / "x"),
                                        "--engine", "ort", "--target-dtype", "int4"])
     assert result.exit_code != 0 and "drop --target-dtype" in result.output
+    # --temperature 0: every answer is the target's greedy one; the folder resumes only at 0
+    greedy_args = ["data", "--target", str(bundle), "--out", str(tmp_path / "greedy"), "--engine", "ort",
+                   "--threads", "1", "--max-new-tokens", "16", "--tokens", "1"]
+    result = CliRunner().invoke(main, greedy_args + ["--temperature", "0"])
+    assert result.exit_code == 0, result.output
+    rows = shards.read_all(tmp_path / "greedy")
+    assert rows and all(r["answer"] == r["greedy"] and r["temperature"] == 0 for r in rows)
+    result = CliRunner().invoke(main, greedy_args[:-1] + ["100000"])
+    assert result.exit_code != 0 and "resume it with --temperature 0.0" in result.output
 
 
 @pytest.mark.parametrize("dtype", ["fp32", "int4"])

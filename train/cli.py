@@ -15,6 +15,8 @@ from pathlib import Path
 
 import click
 
+from .data import DEFAULT_TEMPERATURE
+
 
 @click.group()
 def main():
@@ -55,7 +57,11 @@ def load_target(bundle):
 @click.option("--recipe", type=click.Choice(["1", "2"]), default="1", show_default=True,
               help="1: the first campaign's request mix (prompts.py); 2: many more kinds of request, passages the "
                    "target writes and rewrites, deeper conversations (varied.py; its row ids start with v2)")
-def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype, engine, batch, id_prefix, recipe):
+@click.option("--temperature", default=DEFAULT_TEMPERATURE, show_default=True, type=click.FloatRange(min=0),
+              help="of the answers (top-p 0.95); 0: the target's greedy answers, the text the runtime drafts after "
+                   "(a folder resumes only at the temperature it was started with)")
+def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype, engine, batch, id_prefix, recipe,
+         temperature):
     """The target's own sampled answers to self-written, template, grounded and follow-up requests,
     in resumable shards (see dflash/train/data.py)."""
     import torch
@@ -89,7 +95,8 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
         prefix = "v2" + prefix
     try:
         run(Target(source, sampler), out, answer_tokens, seed, max_new_tokens,
-            echo=lambda m: click.echo(m, err=True), prefix=id_prefix or prefix, recipe=int(recipe))
+            echo=lambda m: click.echo(m, err=True), prefix=id_prefix or prefix, recipe=int(recipe),
+            temperature=temperature)
     except ValueError as e:
         raise click.ClickException(str(e))
 

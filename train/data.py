@@ -3,6 +3,7 @@
 Each round writes one shard (`shard-NNNNN.npz`, see shards.py): the target first writes
 candidate requests of its own (Magpie), then answers a batch that mixes those with
 template, grounded, word-definition and follow-up requests, sampled at temperature 0.7
+(or another `temperature`; 0: the target's greedy answers, the text the runtime drafts after)
 with its argmax recorded at every position.  A round's random choices depend only on
 (seed, round, recipe), so a resumed job continues exactly where an interrupted one stopped.
 
@@ -24,6 +25,7 @@ from .sampler import looping, sample
 MIX = {"magpie": 28, "followup": 8, "grounded": 12, "define": 4}
 MIX_VARIED = {"magpie": 16, "followup": 8, "passage": 10, "grounded": 8, "define": 2}  # recipe 2
 BATCH = 64
+DEFAULT_TEMPERATURE = 0.7  # the answers'; the requests the target writes itself are sampled at 0.8
 MAGPIE_CANDIDATES = 40
 PASSAGE_CANDIDATES = 14
 FOLLOWUP_DEPTH = 3  # recipe 2: user turns in a conversation at most (recipe 1: 2)
@@ -86,6 +88,11 @@ def passages(target: Target, rng: random.Random, seed: int) -> list[str]:
     return [t for t in texts if varied.acceptable_passage(t)]
 
 
+def answer_temperature(row: dict) -> float:
+    """The temperature a stored row's answer was sampled at."""
+    return row.get("temperature", DEFAULT_TEMPERATURE)
+
+
 def round_id(prefix: str, rnd: int) -> str:
     """What every row id of a round starts with."""
     return f"{prefix}{rnd:05d}-"
@@ -133,14 +140,18 @@ def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[di
 
 
 def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_tokens: int = 320,
-        echo=print, prefix: str = "r", recipe: int = 1) -> None:
+        echo=print, prefix: str = "r", recipe: int = 1, temperature: float = DEFAULT_TEMPERATURE) -> None:
     """Add rounds to `out` until its answers hold `answer_tokens` tokens. `prefix` starts every row
-    id, so folders answered by different targets (fp32, int4) or recipes can be fitted together."""
+    id, so folders answered by different targets (fp32, int4) or recipes can be fitted together.
+    `temperature` of the answers (top-p 0.95); 0 answers greedily."""
     out.mkdir(parents=True, exist_ok=True)
     done = shards.read_all(out)
     if done and not done[0]["id"].startswith(round_id(prefix, 0)):  # shards are read in round order
         raise ValueError(f"{out} holds rows with ids like {done[0]['id']}, not {prefix}...: resume it with the "
                          "--id-prefix (and --target, --seed) it was started with")
+    if done and answer_temperature(done[-1]) != temperature:
+        raise ValueError(f"{out} holds answers sampled at temperature {answer_temperature(done[-1])}, not "
+                         f"{temperature}: resume it with --temperature {answer_temperature(done[-1])}")
     by_id = {r["id"]: r for r in done}
     seen = {prompts.dedup_key(r["messages"][0]["content"]) for r in done if r["source"] == "magpie"}
     total = sum(len(r["answer"]) for r in done)
@@ -150,9 +161,11 @@ def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_to
     while total < answer_tokens:
         rows = plan_round(target, rnd, seed, seen, previous, prefix, recipe)
         prompts_ids = [target.encode(target.render(shards.messages(r, by_id, target.decode))) for r in rows]
-        for row, s in zip(rows, target.sample(prompts_ids, max_new_tokens, temperature=0.7, top_p=0.95,
+        for row, s in zip(rows, target.sample(prompts_ids, max_new_tokens, temperature=temperature, top_p=0.95,
                                               seed=seed * 100003 + rnd + 50000)):
             row.update(answer=s.tokens, greedy=s.greedy, ended=s.ended)
+            if temperature != DEFAULT_TEMPERATURE:  # rows from before the option hold none
+                row["temperature"] = temperature
         shards.write(out / f"shard-{rnd:05d}.npz", rows)
         by_id.update({r["id"]: r for r in rows})
         previous, rnd = rows, rnd + 1
