@@ -206,7 +206,8 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
 @click.option("--drafter", "drafter_name", default="dflash", show_default=True)
 @click.option("--shard", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="instead of --prompts: one-turn requests of a data shard, 9 per source (a round the drafter "
-                   "did not train on: acceptance on the data job's own sources)")
+                   "did not train on: acceptance on the data job's own sources; template requests repeat "
+                   "verbatim across rounds and seeds, so their kinds can score recital, not drafting)")
 def evaluate(bundle, prompts, max_new_tokens, drafter_name, shard):
     """Acceptance per block position and per prompt kind on a prompt file, through ONNX Runtime
     (a full block verified every step, so every position is tested)."""
