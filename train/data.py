@@ -89,7 +89,7 @@ def passages(target: Target, rng: random.Random, seed: int) -> list[str]:
 
 
 def answer_temperature(row: dict) -> float:
-    """The temperature a stored row's answer was sampled at."""
+    """The temperature a stored row's answer was sampled at (rows from before the option hold none)."""
     return row.get("temperature", DEFAULT_TEMPERATURE)
 
 
@@ -149,9 +149,10 @@ def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_to
     if done and not done[0]["id"].startswith(round_id(prefix, 0)):  # shards are read in round order
         raise ValueError(f"{out} holds rows with ids like {done[0]['id']}, not {prefix}...: resume it with the "
                          "--id-prefix (and --target, --seed) it was started with")
-    if done and answer_temperature(done[-1]) != temperature:
-        raise ValueError(f"{out} holds answers sampled at temperature {answer_temperature(done[-1])}, not "
-                         f"{temperature}: resume it with --temperature {answer_temperature(done[-1])}")
+    started_at = answer_temperature(done[-1]) if done else temperature
+    if started_at != temperature:
+        raise ValueError(f"{out} holds answers sampled at temperature {started_at}, not {temperature}: resume it "
+                         f"with --temperature {started_at}")
     by_id = {r["id"]: r for r in done}
     seen = {prompts.dedup_key(r["messages"][0]["content"]) for r in done if r["source"] == "magpie"}
     total = sum(len(r["answer"]) for r in done)
@@ -163,9 +164,7 @@ def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_to
         prompts_ids = [target.encode(target.render(shards.messages(r, by_id, target.decode))) for r in rows]
         for row, s in zip(rows, target.sample(prompts_ids, max_new_tokens, temperature=temperature, top_p=0.95,
                                               seed=seed * 100003 + rnd + 50000)):
-            row.update(answer=s.tokens, greedy=s.greedy, ended=s.ended)
-            if temperature != DEFAULT_TEMPERATURE:  # rows from before the option hold none
-                row["temperature"] = temperature
+            row.update(answer=s.tokens, greedy=s.greedy, ended=s.ended, temperature=temperature)
         shards.write(out / f"shard-{rnd:05d}.npz", rows)
         by_id.update({r["id"]: r for r in rows})
         previous, rnd = rows, rnd + 1

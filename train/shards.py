@@ -18,7 +18,7 @@ from . import prompts
 
 
 def write(path: Path, rows: list[dict]) -> None:
-    """rows: {id, kind, source, messages | ref | parent+followup, answer, greedy, ended}."""
+    """rows: {id, kind, source, messages | ref | parent+followup, answer, greedy, ended, temperature}."""
     answers = [np.asarray(r["answer"], np.uint16) for r in rows]
     meta = [{k: v for k, v in r.items() if k not in ("answer", "greedy")} for r in rows]
     tmp = path.with_suffix(".tmp.npz")
