@@ -47,7 +47,7 @@ def shard_prompts(shard: Path, per_source: int = 9, seed: int = 0) -> list[dict]
     """Up to `per_source` one-turn requests of each source in a data shard, as prompt rows of
     kind "source-kind": acceptance on the data job's own sources, to set beside the held-out
     benchmark's (use a round the drafter did not train on).  Template requests recur verbatim in
-    other rounds and seeds: a drafter trained on greedy answers to them recites them (stop 40), so
+    other rounds and seeds: a drafter trained on greedy answers to them recites them, so
     the self-written, passage and word kinds are the ones that measure drafting."""
     from . import shards
 
