@@ -57,6 +57,10 @@ def write_json(path: str | None, report: dict) -> None:
 @click.option("--small-pages", is_flag=True, help="also run every mode with the weights left on 4 KB "
               "pages (DFLASH_HUGE_PAGES=0): modes suffixed @4k")
 @click.option("--repeats", default=1, show_default=True, help="runs per prompt (median taken)")
+@click.option("--answer-memory", default=0, show_default=True, type=click.IntRange(min=0),
+              help="tokens of its latest answers each copying drafter drafts from (Model's answer_memory)")
+@click.option("--ask-again", is_flag=True, help="after the prompts, ask every one once more (kind \"again\"): "
+              "with --answer-memory, a user repeating requests")
 @click.option("--temperature", default=0.0, show_default=True,
               help="sample at this temperature (0: greedy); every mode then draws what `ar` draws")
 @click.option("--top-p", default=1.0, show_default=True, help="with --temperature: nucleus sampling")
@@ -65,9 +69,9 @@ def write_json(path: str | None, report: dict) -> None:
 @click.option("--json", "json_out", type=click.Path(), help="write the report here")
 @click.option("--plot", "plot_out", type=click.Path(), help="write a PNG bar chart here")
 def generate(bundles, prompts, max_new_tokens, modes, draft_len, hf, threads, target_cores, draft_cores,
-             small_pages, repeats, temperature, top_p, top_k, seed, json_out, plot_out):
+             small_pages, repeats, answer_memory, ask_again, temperature, top_p, top_k, seed, json_out, plot_out):
     """Decode tokens/s per mode on a prompt file, with outputs checked against `ar`."""
-    from .generate import generate as run, layouts_for, plot, print_table
+    from .generate import ask_again as repeated, generate as run, layouts_for, plot, print_table
 
     sampling = None
     if temperature > 0:
@@ -75,9 +79,10 @@ def generate(bundles, prompts, max_new_tokens, modes, draft_len, hf, threads, ta
             raise click.UsageError("--hf runs transformers' greedy generate: drop --hf or --temperature")
         sampling = dict(temperature=temperature, top_p=top_p, top_k=top_k, seed=seed)
     layouts = layouts_for(threads, parse_cores(target_cores), parse_cores(draft_cores), small_pages)
-    report = run(bundles, load_prompts(prompts), modes.split(","), max_new_tokens, threads, draft_len, hf,
-                 layouts, repeats, sampling)
-    report = {"prompts": str(prompts), **report}
+    rows = load_prompts(prompts)
+    report = run(bundles, repeated(rows) if ask_again else rows, modes.split(","), max_new_tokens, threads,
+                 draft_len, hf, layouts, repeats, sampling, answer_memory)
+    report = {"prompts": str(prompts), "ask_again": ask_again, **report}
     print_table(report)
     write_json(json_out, report)
     if plot_out:

@@ -29,7 +29,8 @@ def layouts_for(threads: int, target_cores=None, draft_cores=None, small_pages=F
     return layouts
 
 
-def make_runners(bundles, modes: list[str], draft_len, layouts: dict, sampling=None) -> tuple[dict, dict, list, object]:
+def make_runners(bundles, modes: list[str], draft_len, layouts: dict, sampling=None,
+                 answer_memory: int = 0) -> tuple[dict, dict, list, object]:
     """({name: runner}, {name: the name it is compared with}, skipped notes, the last Model).
     A name is the mode, then the bundle's suffix ("" for the first bundle, then -DTYPE, or the
     folder name if that is taken), then the layout's suffix."""
@@ -40,7 +41,7 @@ def make_runners(bundles, modes: list[str], draft_len, layouts: dict, sampling=N
         for layout, options in layouts.items():
             pages = {"DFLASH_HUGE_PAGES": "0"} if layout == "@4k" else {}
             with patch.dict(os.environ, pages):  # read when the sessions are made
-                model = Model(bundle, **options)  # one per bundle and layout, shared by its modes
+                model = Model(bundle, answer_memory=answer_memory, **options)  # one per bundle and layout
                 for mode in set(modes) & set(model.drafters):
                     model.drafter(mode, draft_len)  # its sessions too
             if not layout:
@@ -63,6 +64,9 @@ def run_interleaved(runners: dict, ids: dict[str, list[int]], max_new_tokens: in
     first = next(iter(ids.values()))
     for runner in runners.values():  # warm-up
         runner(first, 8)
+    for runner in runners.values():  # no drafter may recite the warm-up's answer
+        if isinstance(runner, OrtRunner):
+            runner.model.forget_answers()
     results = {name: {} for name in runners}
     with click.progressbar(length=len(ids) * repeats * len(runners), label="generating", file=sys.stderr) as bar:
         for pid, prompt in ids.items():
@@ -88,12 +92,21 @@ def speedups_by_kind(rows, results, mode: str, base: str) -> dict:
     return {kind: statistics.median(v) for kind, v in ratios.items()}
 
 
+def ask_again(rows: list[dict]) -> list[dict]:
+    """The prompt list, then every request once more (kind "again": a user repeating a request)."""
+    return rows + [{**row, "id": f"{row['id']}-again", "kind": "again"} for row in rows]
+
+
 def generate(bundles, rows: list[dict], modes: list[str], max_new_tokens: int, threads: int, draft_len=None,
-             hf=False, layouts=None, repeats=1, sampling=None) -> dict:
+             hf=False, layouts=None, repeats=1, sampling=None, answer_memory=0) -> dict:
     """The report: per mode its summary, speedup over its base, speedup by prompt kind, losslessness
-    (greedy: the same tokens as `ar`; `sampling`: the same tokens as `ar` sampling with that seed)."""
+    (greedy: the same tokens as `ar`; `sampling`: the same tokens as `ar` sampling with that seed).
+    `answer_memory`: the Models' (see Model); each mode's drafters remember only their own answers."""
+    if answer_memory and repeats > 1:
+        raise click.UsageError("--answer-memory with --repeats above 1 would draft a prompt's later runs from "
+                               "its first one: use --repeats 1 (and --ask-again to measure repeated requests)")
     layouts = layouts or layouts_for(threads)
-    runners, bases, skipped, model = make_runners(bundles, modes, draft_len, layouts, sampling)
+    runners, bases, skipped, model = make_runners(bundles, modes, draft_len, layouts, sampling, answer_memory)
     for note in skipped:
         click.echo(f"skipped: {note}", err=True)
     if hf:
@@ -104,6 +117,7 @@ def generate(bundles, rows: list[dict], modes: list[str], max_new_tokens: int, t
     summaries = {name: summarize(runs) for name, runs in results.items()}
     return {"machine": machine(), "threads": threads, "max_new_tokens": max_new_tokens,
             "bundles": list(bundles), "draft_len": draft_len or "adaptive", "layouts": layouts, "skipped": skipped,
+            "answer_memory": answer_memory,
             "sampling": sampling or "greedy",
             "modes": summaries,
             "speedup": {name: summaries[name]["tokens_per_s"] / summaries[bases[name]]["tokens_per_s"]
@@ -154,7 +168,9 @@ def plot(report: dict, path: str) -> None:
     axes[0][0].invert_yaxis()  # the first mode on top (the axes share y: once is enough)
     m = report["machine"]
     kernels = f" ({m['kernels']} kernels)" if m.get("kernels") else ""
+    memory = f", answer memory {report['answer_memory']} tokens" if report.get("answer_memory") else ""
+    again = ", every prompt asked twice" if report.get("ask_again") else ""
     fig.suptitle(f"{m.get('cpu', '?')}{kernels}, {m['cores']} cores, {report['threads']} threads, "
-                 f"{report['max_new_tokens']} new tokens, greedy, {m.get('date', '')}", fontsize=10)
+                 f"{report['max_new_tokens']} new tokens, greedy{memory}{again}, {m.get('date', '')}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=120)

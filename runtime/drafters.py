@@ -14,7 +14,7 @@ import numpy as np
 
 from .policy import ALONE, MAX_DRAFT, Acceptance, Beside, Policy
 from .speculative import Draft, accepted_along
-from .suffix import SuffixIndex
+from .suffix import AnswerMemory, SuffixIndex
 
 
 class Drafter:
@@ -27,6 +27,9 @@ class Drafter:
 
     def begin(self) -> None:
         pass
+
+    def remember(self, answer: list[int]) -> None:
+        """A generation this drafter served is finished: `answer` is what the target wrote."""
 
     def observe(self, draft: Draft, rows: list[int], draft_ms: float, verify_ms: float) -> None:
         self.policy.cost.observe(len(draft) + 1, verify_ms)
@@ -50,22 +53,33 @@ def lookup_draft(tokens: list[int], k: int, max_ngram: int = 3) -> tuple[list[in
 
 class LookupDrafter(Drafter):
     """Copies what followed an earlier occurrence of the latest n-gram (no model). With a
-    `corpus` (the `suffix` drafter), where the prompt offers fewer than 2 tokens to match, it
-    drafts from the target's earlier answers instead (runtime/suffix.py)."""
+    `memory` of the answers it served, where one continues a longer suffix than the prompt does,
+    it drafts from that (a repeated request is drafted from its last answer); with a `corpus`
+    (the `suffix` drafter), where neither offers 2 tokens to match, it drafts from the target's
+    earlier answers instead (runtime/suffix.py)."""
 
-    def __init__(self, policy: Policy, max_ngram: int = 3, corpus: SuffixIndex | None = None):
+    def __init__(self, policy: Policy, max_ngram: int = 3, corpus: SuffixIndex | None = None,
+                 memory: AnswerMemory | None = None):
         super().__init__(policy)
         self.max_ngram = max_ngram
-        self.corpus = corpus
+        self.corpus, self.memory = corpus, memory
         # Longer matches continue correctly more often: one acceptance record per match length,
-        # and one for the corpus's drafts.
-        self.by_source = {n: Acceptance() for n in (*range(1, max_ngram + 1), "corpus")}
+        # and one each for the memory's and the corpus's drafts.
+        self.by_source = {n: Acceptance() for n in (*range(1, max_ngram + 1), "memory", "corpus")}
         self.source: int | str = 0
+
+    def remember(self, answer: list[int]) -> None:
+        if self.memory is not None:
+            self.memory.add(answer)
 
     def propose(self, history: list[int], room: int) -> Draft:
         limit = min(room, MAX_DRAFT)
         tokens, self.source = lookup_draft(history, limit, self.max_ngram)
-        if self.corpus is not None and self.source < 2:
+        if self.memory is not None:
+            remembered, order = self.memory.match(history)
+            if order > self.source:
+                tokens, self.source = remembered[:limit], "memory"
+        if self.corpus is not None and self.source in (0, 1):
             from_corpus = self.corpus.draft(history)[:limit]
             if from_corpus:
                 tokens, self.source = from_corpus, "corpus"
@@ -251,6 +265,9 @@ class HybridDrafter(Drafter):
     def begin(self) -> None:
         self.drafter.begin()
 
+    def remember(self, answer: list[int]) -> None:
+        self.lookup.remember(answer)
+
     def add_context(self, rows: np.ndarray) -> None:
         self.drafter.add_context(rows)
 
@@ -287,6 +304,7 @@ class HybridDrafter(Drafter):
                       share=1 - float(acceptance.rates()[0]))
 
     def _lookup_branch(self) -> bool:
-        """Whether the last lookup draft earns its rows: a match of 2+ tokens, or the corpus's."""
+        """Whether the last lookup draft earns its rows: a match of 2+ tokens, or the memory's or
+        corpus's (whose matches are 2+ tokens long)."""
         source = self.lookup.source
-        return source == "corpus" or source >= self.LOOKUP_MIN_MATCH
+        return source in ("memory", "corpus") or source >= self.LOOKUP_MIN_MATCH

@@ -17,7 +17,7 @@ from .drafters import Drafter, HybridDrafter, LookupDrafter, ModelDrafter
 from .policy import Policy, VerifyCost
 from .sampling import Sampler, SamplingParams
 from .speculative import speculative_steps
-from .suffix import SuffixIndex
+from .suffix import AnswerMemory, SuffixIndex
 from .target import Target
 from .text import StopMatcher, StreamDecoder, TextCodec
 
@@ -84,9 +84,18 @@ class Model:
     """
 
     def __init__(self, bundle_dir: str | Path, threads: int | None = None,
-                 target_cores: list[int] | None = None, draft_cores: list[int] | None = None):
+                 target_cores: list[int] | None = None, draft_cores: list[int] | None = None,
+                 answer_memory: int = 0):
         """`threads`: intra-op threads per session (default: every usable core).
-        `target_cores` / `draft_cores`: pin each session to these cores (0-based)."""
+        `target_cores` / `draft_cores`: pin each session to these cores (0-based).
+        `answer_memory`: tokens of its latest answers each copying drafter (`suffix`, `lookup`,
+        the `-hybrid`s) keeps to draft from, so a repeated request is drafted from its last answer
+        (0: none; output never depends on it, only speed). It also offers `suffix` on a bundle
+        without a corpus."""
+        if not isinstance(answer_memory, int) or answer_memory < 0:
+            raise ValueError(f"answer_memory is a number of tokens, 0 or more; got {answer_memory!r}")
+        self.answer_memory = answer_memory
+        self._memories: list[AnswerMemory] = []
         self.bundle = load_bundle(bundle_dir)
         self.codec = TextCodec(self.bundle)
         self.threads, self.draft_cores = threads, draft_cores
@@ -104,13 +113,14 @@ class Model:
     @property
     def drafters(self) -> list[str]:
         """The drafters this bundle supports: "lookup", "suffix" when it has a corpus of the
-        target's answers, the DFlash ones when it has a drafter graph, and for each draft model in the
-        bundle ("draft-lm", "self-int4", ...) its chain and its tree ("draft-lm-tree").
+        target's answers (or the Model an `answer_memory`), the DFlash ones when it has a drafter
+        graph, and for each draft model in the bundle ("draft-lm", "self-int4", ...) its chain and
+        its tree ("draft-lm-tree").
         None on a bundle exported with `--attention gqa|onnx` (see `lossless_attention`)."""
         if not self.lossless_attention:
             return []
         names = ["lookup"]
-        if "suffix_corpus" in self.bundle.manifest:
+        if "suffix_corpus" in self.bundle.manifest or self.answer_memory:
             names.append("suffix")
         if "drafter" in self.bundle.graphs:
             names += ["dflash", "dflash-tree", "dflash-hybrid"]
@@ -147,14 +157,15 @@ class Model:
                 self._cost = VerifyCost.measure(self.target)
             policy = Policy(self._cost, draft_len)
             if name in ("lookup", "suffix"):
-                self._drafters[key] = LookupDrafter(policy, corpus=self._corpus() if name == "suffix" else None)
+                corpus = self._corpus() if name == "suffix" else None
+                self._drafters[key] = LookupDrafter(policy, corpus=corpus, memory=self._memory())
             elif name.startswith("dflash"):
                 if self._dflash is None:
                     threads = len(self.draft_cores) if self.draft_cores else self.threads
                     self._dflash = DrafterSession(self.bundle, threads, self.draft_cores)
                 dflash = DFlashDrafter(policy, self._dflash, tree=name != "dflash")
                 if name == "dflash-hybrid":
-                    dflash = HybridDrafter(policy, dflash, LookupDrafter(policy, corpus=self._corpus()))
+                    dflash = HybridDrafter(policy, dflash, self._copier(policy))
                 self._drafters[key] = dflash
             elif name.startswith("eagle3"):
                 if self._eagle3 is None:
@@ -162,13 +173,29 @@ class Model:
                     self._eagle3 = Eagle3Session(self.bundle, threads, self.draft_cores)
                 eagle3 = Eagle3Drafter(policy, self._eagle3, tree=name != "eagle3")
                 if name == "eagle3-hybrid":
-                    eagle3 = HybridDrafter(policy, eagle3, LookupDrafter(policy, corpus=self._corpus()))
+                    eagle3 = HybridDrafter(policy, eagle3, self._copier(policy))
                 self._drafters[key] = eagle3
             else:
                 tree = name.endswith("-tree")
                 model = self._draft_model(name.removesuffix("-tree"))
                 self._drafters[key] = ModelDrafter(policy, model, tree)
         return self._drafters[key]
+
+    def _copier(self, policy: Policy) -> LookupDrafter:
+        """A hybrid's copying branch: prompt lookup, the answer memory and the corpus."""
+        return LookupDrafter(policy, corpus=self._corpus(), memory=self._memory())
+
+    def _memory(self) -> AnswerMemory | None:
+        """A new drafter's own memory of the answers it serves (None without `answer_memory`)."""
+        if not self.answer_memory:
+            return None
+        self._memories.append(AnswerMemory(self.answer_memory))
+        return self._memories[-1]
+
+    def forget_answers(self) -> None:
+        """Empty every drafter's answer memory (e.g. between benchmark runs of the same prompts)."""
+        for memory in self._memories:
+            memory.clear()
 
     def _corpus(self) -> SuffixIndex | None:
         """The suffix drafter's index of the bundle's corpus (built once, ~1 s per million tokens),
@@ -190,7 +217,8 @@ class Model:
             return f"add an EAGLE-3 head with `dflash-export drafter HEAD_FOLDER --target {folder}`"
         if name == "suffix":
             return (f"add its corpus of the target's own answers with `dflash-export corpus ANSWERS_FOLDER "
-                    f"--target {folder}` (the default model's: campaign/smollm2/answers)")
+                    f"--target {folder}` (the default model's: campaign/smollm2/answers), or load the Model "
+                    "with answer_memory=TOKENS to draft from its own latest answers")
         if name.startswith("self-"):
             dtype = name.removeprefix("self-").removesuffix("-tree")
             return f"add it with `dflash-export draft-lm --self {dtype} --target {folder}`"
@@ -351,6 +379,8 @@ class Generation:
             if result.finish_reason:
                 break
         chunks.close()
+        if self.drafter:
+            self.drafter.remember(result.tokens)
         stats.decode_ms = (time.perf_counter() - first_token_at) * 1e3
         stats.new_tokens = len(result.tokens)
         tail = self.stops.flush()

@@ -13,13 +13,14 @@ never drafts from a wrong place).
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
 
 import numpy as np
 
 ORDERS = (8, 6, 4, 3, 2)  # suffix lengths tried, longest first
 KEEP = 64                 # latest occurrences of a suffix that vote on its continuation
-DRAFT = 8                 # longest continuation drafted
+DRAFT = 8                 # longest continuation drafted from the corpus
+RECITE = 16               # ... from the answer memory, whose matches usually repeat a whole answer
 END = -1                  # separates answers in the corpus: no continuation runs past it
 _MULT = np.uint64(0x9E3779B97F4A7C15)
 _MULT_INT, _MASK64 = 0x9E3779B97F4A7C15, (1 << 64) - 1
@@ -43,10 +44,12 @@ def _hash_one(window: list[int]) -> np.uint64:
 
 
 class SuffixIndex:
-    """Every 2..8-token window of `tokens` (answers separated by -1) that some token follows."""
+    """Every 2..8-token window of `tokens` (answers separated by -1) that some token follows;
+    continuations up to `longest` tokens."""
 
-    def __init__(self, tokens: np.ndarray):
+    def __init__(self, tokens: np.ndarray, longest: int = DRAFT):
         self.tokens = np.asarray(tokens, np.int64)
+        self.longest = longest
         self.keys: dict[int, np.ndarray] = {}
         self.ends: dict[int, np.ndarray] = {}
         ended = np.concatenate([[0], np.cumsum(self.tokens == END)])  # separators before each index
@@ -60,13 +63,17 @@ class SuffixIndex:
             self.keys[n], self.ends[n] = keys[order], end[order]
 
     @classmethod
-    def from_answers(cls, answers: list[list[int]]) -> "SuffixIndex":
+    def from_answers(cls, answers: list[list[int]], longest: int = DRAFT) -> "SuffixIndex":
         flat = [t for answer in answers for t in [*answer, END]]
-        return cls(np.array(flat, np.int64))
+        return cls(np.array(flat, np.int64), longest)
 
     def draft(self, history: list[int]) -> list[int]:
         """The continuation of the longest suffix of `history` found, followed token by token
         along its most common next token among the latest KEEP occurrences; [] if none."""
+        return self.match(history)[0]
+
+    def match(self, history: list[int]) -> tuple[list[int], int]:
+        """draft's continuation and the length of the suffix it continues ([], 0 if none)."""
         for n in ORDERS:
             if len(history) < n:
                 continue
@@ -76,17 +83,16 @@ class SuffixIndex:
             ends = self.ends[n][np.searchsorted(keys, key, "left"):np.searchsorted(keys, key, "right")]
             ends = ends[(self.tokens[ends[:, None] - n + np.arange(n)] == tail).all(axis=1)]
             if len(ends):
-                return self._vote([self._continuation(int(e)) for e in ends[-KEEP:]])
-        return []
+                return self._vote([self._continuation(int(e)) for e in ends[-KEEP:]]), n
+        return [], 0
 
     def _continuation(self, end: int) -> list[int]:
-        following = self.tokens[end:end + DRAFT].tolist()
+        following = self.tokens[end:end + self.longest].tolist()
         return following[:following.index(END)] if END in following else following
 
-    @staticmethod
-    def _vote(candidates: list[list[int]]) -> list[int]:
+    def _vote(self, candidates: list[list[int]]) -> list[int]:
         out = []
-        for depth in range(DRAFT):
+        for depth in range(self.longest):
             counts = Counter(c[depth] for c in candidates if len(c) > depth)
             if not counts:
                 break
@@ -94,3 +100,35 @@ class SuffixIndex:
             out.append(token)
             candidates = [c for c in candidates if len(c) > depth and c[depth] == token]
         return out
+
+
+class AnswerMemory:
+    """The latest answers this drafter helped write, up to `capacity` tokens (the oldest go first),
+    indexed like the corpus (SuffixDecoding's online cache): a request that repeats an earlier
+    one, or a regenerated answer, is drafted from what the target wrote last time.  The index is
+    rebuilt after each answer (~1 ms per thousand tokens held)."""
+
+    def __init__(self, capacity: int):
+        if capacity < 1:
+            raise ValueError(f"answer memory must hold at least 1 token; got {capacity}")
+        self.capacity = capacity
+        self.answers: deque[list[int]] = deque()
+        self.held = 0
+        self.index: SuffixIndex | None = None
+
+    def add(self, answer: list[int]) -> None:
+        answer = list(answer)[-self.capacity:]
+        if len(answer) < 2:  # nothing a suffix of 2+ tokens could continue
+            return
+        self.answers.append(answer)
+        self.held += len(answer)
+        while self.held > self.capacity:
+            self.held -= len(self.answers.popleft())
+        self.index = SuffixIndex.from_answers(list(self.answers), RECITE)
+
+    def match(self, history: list[int]) -> tuple[list[int], int]:
+        return self.index.match(history) if self.index else ([], 0)
+
+    def clear(self) -> None:
+        self.answers.clear()
+        self.held, self.index = 0, None

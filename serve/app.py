@@ -156,11 +156,12 @@ class Run:
 
 
 def create_app(bundle: str | Path, drafter: str | None = None, workers: int = 1, max_waiting: int = 8,
-               threads: int | None = None) -> FastAPI:
+               threads: int | None = None, answer_memory: int = 0) -> FastAPI:
     """The app: `workers` Models of `bundle`, each on `threads` cores (default: the cores split
-    among the workers); `drafter` is the default for requests that name none."""
+    among the workers) with `answer_memory` (see Model); `drafter` is the default for requests
+    that name none."""
     cores = threads or max(1, (os.cpu_count() or 1) // workers)
-    models = [Model(bundle, threads=cores) for _ in range(workers)]
+    models = [Model(bundle, threads=cores, answer_memory=answer_memory) for _ in range(workers)]
     model_id = Path(bundle).resolve().name
     if drafter and drafter not in models[0].drafters:
         raise ValueError(f"{bundle} has no drafter {drafter!r} (it has: {', '.join(models[0].drafters)})")

@@ -21,14 +21,17 @@ import click
 @click.option("--threads", type=int, help="cores per worker (default: the cores split among the workers)")
 @click.option("--queue", "max_waiting", default=8, show_default=True,
               help="requests that may wait for a worker; more get 429 with Retry-After")
-def main(bundle, drafter, host, port, workers, threads, max_waiting):
+@click.option("--answer-memory", default=0, show_default=True, type=click.IntRange(min=0),
+              help="tokens of its latest answers each worker's copying drafters draft from, so repeated "
+              "requests decode faster (answers never change; timing may show a request was seen before)")
+def main(bundle, drafter, host, port, workers, threads, max_waiting, answer_memory):
     """Serve /v1/models, /v1/chat/completions and /v1/completions (streaming or not)."""
     import uvicorn
 
     from .app import create_app
 
     try:
-        app = create_app(bundle, drafter, workers, max_waiting, threads)
+        app = create_app(bundle, drafter, workers, max_waiting, threads, answer_memory)
     except ValueError as e:
         raise click.ClickException(str(e))
     uvicorn.run(app, host=host, port=port, log_level="info")

@@ -82,3 +82,21 @@ def test_verify_times_each_forced_kernel_path(tiny, tmp_path):
     assert report["machine"]["kernels"] == native_kernel_path() and "T(8)/T(1) past 256" in result.output
     refused = CliRunner().invoke(main, ["verify", "--bundle", str(bundle), "--paths", "sse9"])
     assert refused.exit_code == 2 and "unknown kernel path 'sse9'" in refused.output
+
+
+def test_generate_measures_repeated_requests_with_answer_memory(spec_bundle, tmp_path):
+    """--ask-again asks every prompt a second time (kind "again"); with --answer-memory the drafter
+    recites its first answer there, still lossless; repeated runs of one prompt are refused."""
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"id": "a", "kind": "chat", "prompt": "the quick brown fox"}))
+    out = tmp_path / "bench.json"
+    args = ["generate", "--bundle", str(spec_bundle()), "--prompts", str(prompts), "--modes", "ar,suffix",
+            "--max-new-tokens", "24", "--threads", "1", "--answer-memory", "1024", "--ask-again"]
+    result = CliRunner().invoke(main, [*args, "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    report = json.loads(out.read_text())
+    assert all(report["lossless"].values()) and set(report["speedup_by_kind"]["suffix"]) == {"all", "chat", "again"}
+    runs = report["modes"]["suffix"]
+    assert report["answer_memory"] == 1024 and "a-again" in runs["outputs"]
+    result = CliRunner().invoke(main, [*args, "--repeats", "3"])
+    assert result.exit_code != 0 and "use --repeats 1" in result.output

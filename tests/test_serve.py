@@ -195,3 +195,25 @@ def test_load_mixed_clients_leave_no_trace(served):
     after = rss_and_files()
     assert after[1] <= before[1] + 2, (before, after)  # open files (the client's pooled sockets may vary by 1-2)
     assert after[0] <= before[0] * 1.05 + 4096, (before, after)
+
+
+def test_answer_memory_serves_suffix_on_a_bundle_without_a_corpus(tiny):
+    """`--answer-memory` reaches every worker's Model: `suffix` is then served on a bundle with no
+    corpus, and a repeated request answers the same."""
+    from dflash.runtime import Model
+    from dflash.serve.app import create_app
+
+    bundle, _ = tiny("llama")
+    with pytest.raises(ValueError, match="no drafter 'suffix'"):
+        create_app(bundle, drafter="suffix")
+    server, thread, url = start_server(create_app(bundle, drafter="suffix", threads=1, answer_memory=1024))
+    try:
+        client = openai.OpenAI(base_url=url, api_key="none", max_retries=0)
+        name = client.models.list().data[0].id
+        want = Model(bundle).generate(messages=MESSAGES, max_new_tokens=24).text
+        for _ in range(2):
+            got = client.chat.completions.create(model=name, messages=MESSAGES, max_tokens=24, temperature=0)
+            assert got.choices[0].message.content == want
+    finally:
+        server.should_exit = True
+        thread.join()

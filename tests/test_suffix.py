@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from dflash.runtime import Model
-from dflash.runtime.suffix import DRAFT, KEEP, ORDERS, SuffixIndex
+from dflash.runtime.suffix import DRAFT, KEEP, ORDERS, RECITE, SuffixIndex
 from dflash.train import shards
 
 
@@ -119,3 +119,45 @@ def test_one_window_hashes_as_the_index_hashes_it():
     windows = np.random.default_rng(0).integers(0, 1 << 17, (200, 8))
     for n in (2, 3, 8):
         assert [_hash_one(w[:n].tolist()) for w in windows] == _hash(windows[:, :n]).tolist()
+
+
+def test_answer_memory_keeps_the_latest_answers_up_to_its_size():
+    from dflash.runtime.suffix import AnswerMemory
+
+    memory = AnswerMemory(10)
+    assert memory.match([1, 2]) == ([], 0)
+    memory.add([1, 2, 3, 4, 5, 6])
+    assert memory.match([9, 1, 2]) == ([3, 4, 5, 6], 2)
+    assert memory.match([1, 2, 3, 4]) == ([5, 6], 4)
+    memory.add([7, 8, 9, 10, 11])  # 11 tokens held: the first answer goes
+    assert memory.held == 5 and memory.match([1, 2]) == ([], 0) and memory.match([7, 8]) == ([9, 10, 11], 2)
+    memory.add([0])  # too short to continue anything: not kept
+    assert memory.held == 5
+    memory.clear()
+    assert memory.match([7, 8]) == ([], 0)
+    with pytest.raises(ValueError, match="at least 1 token"):
+        AnswerMemory(0)
+    long = AnswerMemory(100)
+    long.add(list(range(40)))
+    assert long.match([0, 1]) == (list(range(2, 2 + RECITE)), 2)  # recited further than a corpus draft
+
+
+def test_a_repeated_request_is_drafted_from_its_last_answer(tiny):
+    """With answer_memory, `suffix` exists on a bundle without a corpus, drafts a repeated request
+    from the answer it wrote before (lossless, far fewer steps), and remembers only what it served."""
+    model = Model(tiny("llama")[0], answer_memory=4096)
+    assert "suffix" in model.drafters and "suffix" not in Model(tiny("llama")[0]).drafters
+    ids = [5, 31, 8, 77, 12]
+    plain = model.generate(input_ids=ids, max_new_tokens=60, ignore_eos=True)  # plain decoding: nothing remembered
+    first = model.generate(input_ids=ids, max_new_tokens=60, ignore_eos=True, drafter="suffix")
+    again = model.generate(input_ids=ids, max_new_tokens=60, ignore_eos=True, drafter="suffix")
+    assert first.tokens == again.tokens == plain.tokens
+    assert again.stats.steps < first.stats.steps / 3, (first.stats.steps, again.stats.steps)
+    model.forget_answers()
+    forgotten = model.generate(input_ids=ids, max_new_tokens=60, ignore_eos=True, drafter="suffix")
+    assert forgotten.tokens == plain.tokens and forgotten.stats.steps > 2 * again.stats.steps  # not recited
+    sampled = [model.generate(input_ids=ids, max_new_tokens=40, temperature=1.0, seed=3, ignore_eos=True,
+                              drafter=drafter).tokens for drafter in (None, "suffix", "suffix")]
+    assert sampled[0] == sampled[1] == sampled[2]
+    with pytest.raises(ValueError, match="answer_memory is a number of tokens"):
+        Model(tiny("llama")[0], answer_memory=-1)
