@@ -85,8 +85,8 @@ def test_verify_times_each_forced_kernel_path(tiny, tmp_path):
 
 
 def test_generate_measures_repeated_requests_with_answer_memory(spec_bundle, tmp_path):
-    """--ask-again asks every prompt a second time (kind "again"); with --answer-memory the drafter
-    recites its first answer there, still lossless; repeated runs of one prompt are refused."""
+    """--ask-again asks every prompt a second time (kind "again", reported apart), every mode still
+    lossless with --answer-memory (the recital itself: test_suffix.py); --repeats above 1 is refused."""
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text(json.dumps({"id": "a", "kind": "chat", "prompt": "the quick brown fox"}))
     out = tmp_path / "bench.json"
