@@ -1,6 +1,6 @@
 """The `suffix` drafter: drafts from a corpus of the target's earlier answers (runtime/suffix.py),
 the same as a brute-force scan of the corpus, lossless in the loop, and a corpus from another
-target refused at export."""
+target refused at export; the answer memory, which drafts a repeated request from its last answer."""
 
 from __future__ import annotations
 
