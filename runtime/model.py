@@ -379,10 +379,10 @@ class Generation:
             if result.finish_reason:
                 break
         chunks.close()
-        if self.drafter:
-            self.drafter.remember(result.tokens)
         stats.decode_ms = (time.perf_counter() - first_token_at) * 1e3
         stats.new_tokens = len(result.tokens)
+        if self.drafter:  # after the clock: an answer memory rebuilds its index here
+            self.drafter.remember(result.tokens)
         tail = self.stops.flush()
         if tail:
             yield tail
