@@ -310,7 +310,7 @@ def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()
     manifest["dflash"] = {"source": str(Path(src).resolve()), "block_size": c.block_size,
                           "mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids,
                           "capacity": capacity, "draft_vocab": None if drafter.d2t is None else len(drafter.d2t),
-                          "refine": c.refine,
+                          "refine": c.refine, "copy": c.copy,
                           "kv": {"layers": c.layers, "kv_heads": c.kv_heads,
                                                        "heads": c.heads, "head_dim": c.head_dim},
                           "export_check": {"logits": diff}}

@@ -40,6 +40,7 @@ class DFlashConfig:
     output_multiplier: float = 1.0
     softcap: float | None = None
     refine: bool = False  # trained with a refining second pass over its own drafts (dflash-train fit --refine)
+    copy: bool = False  # reads what prompt lookup would copy into the block (dflash-train fit --copy)
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -67,7 +68,8 @@ class DFlashConfig:
                    attention_bias=bool(d.get("attention_bias", False)),
                    embedding_scale=float(draft.get("input_embedding_scale", d.get("input_embedding_scale", 1.0))),
                    output_multiplier=float(draft.get("output_multiplier", d.get("output_multiplier", 1.0))),
-                   softcap=float(softcap) if softcap else None, refine=bool(draft.get("refine", False)), raw=d)
+                   softcap=float(softcap) if softcap else None, refine=bool(draft.get("refine", False)),
+                   copy=bool(draft.get("copy", False)), raw=d)
 
     def rotary_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [max_len, D/2], from transformers' Qwen3 rotary module (any rope scaling)."""
@@ -134,6 +136,9 @@ class DFlashDrafter(torch.nn.Module):
         self.hidden_norm = RMSNorm(c.hidden_size, c.eps)
         self.layers = torch.nn.ModuleList(Layer(c) for _ in range(c.layers))
         self.norm = RMSNorm(c.hidden_size, c.eps)
+        if c.copy:  # see block_input
+            self.copy_proj = _linear(c.hidden_size, c.hidden_size)
+            self.copy_kind = torch.nn.Embedding(3, c.hidden_size)
         self.d2t: torch.Tensor | None = None  # reduced draft vocabulary, if trained with one
 
     def head(self, lm_head: torch.Tensor) -> torch.Tensor:
@@ -174,6 +179,23 @@ class DFlashDrafter(torch.nn.Module):
             raise SourceError(f"{folder}: weights this DFlash model does not have: {', '.join(unexpected[:4])} "
                               "(a DFlash-2 or other variant is not supported)")
         return drafter.eval()
+
+    def block_input(self, block_ids, copy_ids, embed):
+        """The block rows' input [.., B, H]: the embedded block ids.  A copy-aware drafter also reads,
+        on each masked row k, the token prompt lookup would copy there (`copy_ids` [.., B]: the k-th
+        token after the latest earlier match of the text's last n-gram, -1 where there is none; row 0,
+        the anchor's, is ignored), embedded and projected by copy_proj, and a learned marker of the
+        row's kind (0 the anchor, 1 nothing to copy, 2 a copy).  A drafter alone cannot tell what
+        repeats (it is right as often where the next token follows an earlier occurrence of the
+        anchor as elsewhere); lookup alone is right ~37% of the time: given both, it learns when to copy."""
+        c = self.config
+        x = torch.nn.functional.embedding(block_ids, embed) * c.embedding_scale
+        if not c.copy:
+            return x
+        masked = torch.arange(block_ids.shape[-1]) > 0
+        has = (copy_ids >= 0) & masked
+        copied = self.copy_proj(torch.nn.functional.embedding(copy_ids.clamp(min=0), embed))
+        return x + self.copy_kind(masked.long() + has.long()) + copied * has.unsqueeze(-1).to(copied.dtype)
 
     def context(self, features):
         """Tap features [.., N, T*H] -> the fused context rows."""
@@ -218,12 +240,15 @@ class Reference:
         self.values = [torch.zeros(1, 0, c.kv_heads * c.head_dim) for _ in range(c.layers)]
 
     @torch.no_grad()
-    def step(self, features: torch.Tensor, block_ids: list[int], start: int) -> torch.Tensor:
-        """New context rows [N, T*H] (positions start-N..start-1), the block at start..:
-        logits [B-1, V].  The context rows join the cache; the block rows do not."""
+    def step(self, features: torch.Tensor, block_ids: list[int], start: int,
+             copy_ids: list[int] | None = None) -> torch.Tensor:
+        """New context rows [N, T*H] (positions start-N..start-1), the block at start.. (and for a
+        copy-aware drafter what lookup copies into it, see block_input): logits [B-1, V].  The
+        context rows join the cache; the block rows do not."""
         c, n = self.d.config, features.shape[0]
         ctx = self.d.context(features.unsqueeze(0))
-        x = self.embed[torch.tensor([block_ids])] * c.embedding_scale
+        copy_ids = [-1] * len(block_ids) if copy_ids is None else copy_ids
+        x = self.d.block_input(torch.tensor([block_ids]), torch.tensor([copy_ids]), self.embed)
         positions = torch.arange(start - n, start + len(block_ids)).unsqueeze(0)
         for i, layer in enumerate(self.d.layers):
             def attend(q_all, k, v, i=i):
@@ -246,8 +271,8 @@ def _full_attention(q_all, keys, values, c: DFlashConfig):
 class DrafterGraph(torch.nn.Module):
     """Inputs   context [1,N,T*H] (tap features of the N newly committed tokens), block_ids
              [1,B], position_ids [1,N+B] (the context's, then the block's), attention_mask
-             [N+B,N+B] bool (all true), past_len [] int64 (context rows cached),
-             past_key_i / past_value_i [1,Hkv,C,D].
+             [N+B,N+B] bool (all true), past_len [] int64 (context rows cached), for a copy-aware
+             drafter copy_ids [1,B] (see DFlashDrafter.block_input), past_key_i / past_value_i [1,Hkv,C,D].
     Outputs  logits [1,B-1,V] (V: the draft vocabulary's size, if reduced); top_logprobs / top_ids [1,B-1,K], the K likeliest tokens per
              position (what the runtime reads); present_key_i / present_value_i (the same
              buffers: rows past_len..past_len+N hold the new context, the B after them are scratch)."""
@@ -264,10 +289,11 @@ class DrafterGraph(torch.nn.Module):
         self.register_buffer("cos", cos)
         self.register_buffer("sin", sin)
 
-    def forward(self, context, block_ids, position_ids, attention_mask, past_len, *caches):
+    def forward(self, context, block_ids, position_ids, attention_mask, past_len, *rest):
         c = self.d.config
+        copy_ids, caches = (rest[0], rest[1:]) if c.copy else (None, rest)
         ctx = self.d.context(context)
-        x = torch.nn.functional.embedding(block_ids, self.embed) * c.embedding_scale
+        x = self.d.block_input(block_ids, copy_ids, self.embed)
         presents = []
         for i, layer in enumerate(self.d.layers):
             def attend(q_all, k, v, i=i):
@@ -291,7 +317,10 @@ def example_inputs(c: DFlashConfig, capacity: int, n: int = 3, past: int = 5, se
     positions = torch.arange(past, past + n + b).unsqueeze(0)
     mask = torch.ones(n + b, n + b, dtype=torch.bool)
     caches = [torch.randn(1, c.kv_heads, capacity, c.head_dim, generator=g) * 0.5 for _ in range(2 * c.layers)]
-    return (features, block, positions, mask, torch.tensor(past, dtype=torch.int64), *caches)
+    # a copy on some rows, none on others (-1)
+    copy_ids = [torch.where(torch.arange(b) % 3 == 2, -1, torch.randint(0, c.vocab_size, (b,), generator=g))[None]]
+    return (features, block, positions, mask, torch.tensor(past, dtype=torch.int64),
+            *(copy_ids if c.copy else []), *caches)
 
 
 def export_onnx(drafter: DFlashDrafter, embed, lm_head, capacity: int, attention: str, path) -> None:
@@ -301,8 +330,10 @@ def export_onnx(drafter: DFlashDrafter, embed, lm_head, capacity: int, attention
     present = [f"present_{kind}_{i}" for i in range(c.layers) for kind in ("key", "value")]
     n, rows = torch.export.Dim("N", min=0, max=capacity), torch.export.Dim("R", min=3, max=capacity)
     b = torch.export.Dim("B", min=3, max=64)
+    copy = ["copy_ids"] if c.copy else []
     dynamic = {"context": {1: n}, "block_ids": {1: b}, "position_ids": {1: rows},
-               "attention_mask": {0: rows, 1: rows}, "past_len": None, "caches": (None,) * (2 * c.layers)}
+               "attention_mask": {0: rows, 1: rows}, "past_len": None,
+               "rest": ({1: b},) * len(copy) + (None,) * (2 * c.layers)}
     # Size-oblivious: N may be 0 or 1 (no new context rows, or the anchor's alone) without
     # torch.export specializing the graph to larger sizes.
     from torch.fx.experimental import _config as fx_config
@@ -311,7 +342,7 @@ def export_onnx(drafter: DFlashDrafter, embed, lm_head, capacity: int, attention
         exported = torch.export.export(graph, example_inputs(c, capacity), dynamic_shapes=dynamic, strict=False)
         program = torch.onnx.export(
             exported, dynamo=True,
-            input_names=["context", "block_ids", "position_ids", "attention_mask", "past_len", *past],
+            input_names=["context", "block_ids", "position_ids", "attention_mask", "past_len", *copy, *past],
             output_names=["logits", "top_logprobs", "top_ids", *present],
             custom_translation_table=ops.translation_table(attention),
             opset_version=23 if attention == "onnx" else 20, optimize=True, verbose=False)
@@ -337,7 +368,13 @@ def reference_generate(target, drafter: DFlashDrafter, ids: list[int], max_new_t
     while len(new) < max_new_tokens:
         committed = ids + new
         start = len(committed) - 1
-        drafts = reference.step(pending, [committed[-1]] + [c.mask_token_id] * (c.block_size - 1), start)
+        copy_ids = None
+        if c.copy:
+            from dflash.runtime.drafters import lookup_draft
+
+            copied = lookup_draft(committed, c.block_size - 1)[0]
+            copy_ids = [-1] + copied + [-1] * (c.block_size - 1 - len(copied))
+        drafts = reference.step(pending, [committed[-1]] + [c.mask_token_id] * (c.block_size - 1), start, copy_ids)
         drafts = drafts.argmax(-1)
         drafts = (drafts if drafter.d2t is None else drafter.d2t[drafts]).tolist()
         logits, features = run(committed + drafts)

@@ -10,7 +10,9 @@ verify rows are dear (int4 targets) chains are short, and a block of 3-4 rows co
 a full one while its first positions are drafted nearly as well (the block rows see each other,
 so the drafts can differ slightly from a full block's).  A drafter trained to refine
 (`dflash-train fit --refine`) gets a second call over the same block with the first call's
-drafts in place of the masks, and drafts from that.  Its cache holds context rows only:
+drafts in place of the masks, and drafts from that.  A copy-aware drafter (`fit --copy`) is also
+given what prompt lookup copies into the block (the tokens after the latest earlier match of the
+text's last n-gram), and learned when to trust it.  Its cache holds context rows only:
 each call writes the pending context rows (those of the last step's accepted tokens) after
 the ones already there, and the block rows after those are scratch.
 """
@@ -24,7 +26,7 @@ import numpy as np
 import onnxruntime as ort
 
 from .bundle import Bundle
-from .drafters import Calibration, Drafter
+from .drafters import Calibration, Drafter, lookup_draft
 from .policy import ALONE, MAX_DRAFT, Beside, Policy
 from .session import make_session, run_pinned
 from .speculative import Draft
@@ -43,6 +45,7 @@ class DrafterSession:
         self.session = make_session(bundle.graph_path("drafter"), bundle, threads, cores)
         self.block, self.mask_id, self.capacity = info["block_size"], info["mask_token_id"], info["capacity"]
         self.refine = bool(info.get("refine", False))  # trained with a refining second pass
+        self.copy = "copy_ids" in {i.name for i in self.session.get_inputs()}  # a copy-aware drafter
         kv = info["kv"]
         shape = (1, kv["kv_heads"], self.capacity, kv["head_dim"])
         self.caches = [np.zeros(shape, np.float32) for _ in range(2 * kv["layers"])]
@@ -58,6 +61,7 @@ class DrafterSession:
         rows = self.MAX_CONTEXT + self.block
         self._context = np.zeros((1, self.MAX_CONTEXT, self.width), np.float32)
         self._block_ids = np.full((1, self.block), self.mask_id, np.int64)
+        self._copy_ids = np.full((1, self.block), -1, np.int64)
         self._positions = np.zeros((1, rows), np.int64)
         self._mask = np.ones((rows, rows), np.bool_)  # every row sees every new row (block rows are non-causal)
         self._past = np.zeros((), np.int64)
@@ -75,6 +79,8 @@ class DrafterSession:
             binding.bind_ortvalue_input("position_ids", value(self._positions[:, :rows]))
             binding.bind_ortvalue_input("attention_mask", value(np.ascontiguousarray(self._mask[:rows, :rows])))
             binding.bind_ortvalue_input("past_len", value(self._past))
+            if self.copy:
+                binding.bind_ortvalue_input("copy_ids", value(self._copy_ids[:, :block]))
             for i, cache in enumerate(self._cache_values):
                 kind, layer = ("key", "value")[i % 2], i // 2
                 binding.bind_ortvalue_input(f"past_{kind}_{layer}", cache)
@@ -85,26 +91,30 @@ class DrafterSession:
         return binding
 
     def run(self, context: np.ndarray, anchor: int, past: int, block: int | None = None,
-            filled: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+            filled: np.ndarray | None = None, copied: list[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """Context rows [N, T*H] at positions past..past+N-1, the anchor right after them:
         (log-probs, ids) [B-1, K] of the likeliest tokens at block positions 1..B-1, for a block
         of B = `block` rows (default and at most: the trained block size; at least MIN_BLOCK).
-        `filled`: token ids for block rows 1..B-1 instead of the mask (a refining pass)."""
+        `filled`: token ids for block rows 1..B-1 instead of the mask (a refining pass);
+        `copied`: what lookup copies into rows 1.. (a copy-aware drafter reads it; others ignore it)."""
         block = self.block if block is None else min(max(block, self.MIN_BLOCK), self.block)
         context = np.asarray(context, np.float32).reshape(-1, self.width)
         while len(context) > self.MAX_CONTEXT:  # a long context: its leading rows only fill the cache,
             # and the context's cache rows do not depend on the block, so the smallest one serves
             self._run(context[: self.MAX_CONTEXT], anchor, past, self.MIN_BLOCK)
             context, past = context[self.MAX_CONTEXT:], past + self.MAX_CONTEXT
-        self._run(context, anchor, past, block, filled)
+        self._run(context, anchor, past, block, filled, copied)
         return self.top_logprobs[0, : block - 1], self.top_ids[0, : block - 1]
 
-    def _run(self, context: np.ndarray, anchor: int, past: int, block: int, filled=None) -> None:
+    def _run(self, context: np.ndarray, anchor: int, past: int, block: int, filled=None, copied=()) -> None:
         n = len(context)
         binding = self._binding(n, block)
         self._context[0, :n] = context
         self._block_ids[0, 0] = anchor
         self._block_ids[0, 1:block] = self.mask_id if filled is None else filled[: block - 1]
+        copied = list(copied)[: block - 1]
+        self._copy_ids[0, 1 : 1 + len(copied)] = copied
+        self._copy_ids[0, 1 + len(copied) :] = -1
         self._positions[0, : n + block] = np.arange(past, past + n + block)
         self._past[...] = past
         run_pinned(self.session, binding, self.cores)
@@ -143,20 +153,22 @@ class DFlashDrafter(Drafter):
             raise RuntimeError(f"drafter context out of step: {self.past} + {len(context)} rows "
                                f"for {len(history) - 1} committed tokens")
         start = time.perf_counter()
-        logprobs, ids = self._draft(context, history[-1], self.past, positions + 1)
+        copied = lookup_draft(history, self.session.block - 1)[0] if self.session.copy else ()
+        logprobs, ids = self._draft(context, history[-1], self.past, positions + 1, copied)
         self.call_ms += 0.1 * ((time.perf_counter() - start) * 1e3 - self.call_ms)
         self.past, self.pending = len(history) - 1, []
         if self.tree:
             return self._tree(logprobs[:limit], ids[:limit], min(room, MAX_DRAFT), beside)
         return self._chain(logprobs[:limit], ids[:limit], beside)
 
-    def _draft(self, context: np.ndarray, anchor: int, past: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+    def _draft(self, context: np.ndarray, anchor: int, past: int, block: int,
+               copied: list[int] = ()) -> tuple[np.ndarray, np.ndarray]:
         """The drafter's (log-probs, ids) for a block: one call, and for a drafter trained to
         refine a second one over the same block holding the first call's drafts."""
-        logprobs, ids = self.session.run(context, anchor, past, block=block)
+        logprobs, ids = self.session.run(context, anchor, past, block=block, copied=copied)
         if self.session.refine:
             logprobs, ids = self.session.run(context[:0], anchor, past + len(context), block=block,
-                                             filled=ids[:, 0].copy())
+                                             filled=ids[:, 0].copy(), copied=copied)
         return logprobs, ids
 
     def _chain(self, logprobs: np.ndarray, ids: np.ndarray, beside: Beside = ALONE) -> Draft:

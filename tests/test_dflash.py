@@ -17,22 +17,31 @@ from test_speculative import chi_square_p_below
 BLOCK = 16
 
 
-@pytest.fixture(scope="module")
-def qwen3_dflash(tmp_path_factory):
+def tiny_qwen3_dflash(base, copy: bool = False):
     """A tiny 8-layer Qwen3 target (taps 1..5) and a z-lab-shaped drafter: 5 taps, block 16, GQA."""
     from dflash.export.cli import export_dflash, export_target
     from tiny_models import save_dflash_folder, save_model_folder
 
-    base = tmp_path_factory.mktemp("qwen3_dflash")
     hf = save_model_folder("qwen3", base / "hf", layers=8)
     export_target(str(hf), base / "bundle", max_len=160)
     manifest = json.loads((base / "bundle" / "dflash.json").read_text())
     assert manifest["taps"] == [1, 2, 3, 4, 5]
     config = json.loads((hf / "config.json").read_text())
     drafter = save_dflash_folder(base / "drafter", config["hidden_size"], 8, manifest["taps"], config["vocab_size"],
-                                 mask_token_id=3, block_size=BLOCK, layers=2)
+                                 mask_token_id=3, block_size=BLOCK, layers=2, copy=copy)
     export_dflash(drafter, base / "bundle")
     return base / "bundle", hf, drafter
+
+
+@pytest.fixture(scope="module")
+def qwen3_dflash(tmp_path_factory):
+    return tiny_qwen3_dflash(tmp_path_factory.mktemp("qwen3_dflash"))
+
+
+@pytest.fixture(scope="module")
+def qwen3_copy_dflash(tmp_path_factory):
+    """The same with a copy-aware drafter (it reads lookup's copies of the block)."""
+    return tiny_qwen3_dflash(tmp_path_factory.mktemp("qwen3_copy_dflash"), copy=True)
 
 
 @pytest.fixture(scope="module")
@@ -68,16 +77,18 @@ def reference_for(bundle, drafter_folder):
     return Reference(drafter, target.get_input_embeddings().weight.detach().float(), lm_head, 4096), drafter.config
 
 
-@pytest.mark.parametrize("which", ["qwen3", "default"])
+@pytest.mark.parametrize("which", ["qwen3", "qwen3_copy", "default"])
 def test_ort_drafter_equals_torch_reference(which, request):
     """A run of steps as the loop makes them: the prompt's rows (more than one call's worth, so
     they are fed in chunks), then 1, B, 0, 3 and 20 new rows, some with a served block shorter
-    than the trained one (and one asking for less than the smallest, which serves that)."""
+    than the trained one (and one asking for less than the smallest, which serves that); with
+    lookup copies of every length the block may hold (a copy-aware drafter reads them)."""
     fixture = request.getfixturevalue(f"{which}_dflash")
     bundle, drafter_folder = fixture[0], fixture[-1]
     model = Model(bundle)
     session = DrafterSession(model.bundle)
     reference, config = reference_for(bundle, drafter_folder)
+    assert session.copy == (which == "qwen3_copy") == config.copy
     rng = np.random.default_rng(0)
     width = len(config.target_layer_ids) * config.hidden_size
     past = 0
@@ -86,9 +97,11 @@ def test_ort_drafter_equals_torch_reference(which, request):
         block = BLOCK if asked is None else max(asked, DrafterSession.MIN_BLOCK)
         features = rng.standard_normal((n, width)).astype(np.float32)
         anchor = int(rng.integers(0, config.vocab_size))
-        logprobs, _ = session.run(features, anchor, past, block=asked)
+        copied = rng.integers(0, config.vocab_size, int(rng.integers(0, BLOCK))).tolist()
+        logprobs, _ = session.run(features, anchor, past, block=asked, copied=copied)
+        copy_ids = [-1] + copied[: block - 1] + [-1] * (block - 1 - len(copied[: block - 1]))
         expected = reference.step(torch.from_numpy(features), [anchor] + [config.mask_token_id] * (block - 1),
-                                  past + n)
+                                  past + n, copy_ids)
         assert len(logprobs) == block - 1
         assert np.abs(session.logits[0, : block - 1] - expected.numpy()).max() <= 1e-4, n
         top = torch.log_softmax(expected, -1).topk(session.top_ids.shape[-1], -1)
@@ -96,20 +109,20 @@ def test_ort_drafter_equals_torch_reference(which, request):
         past += n
         if n == 3:  # a refining pass: no new context, the block's rows hold drafts instead of masks
             drafts = rng.integers(0, config.vocab_size, block - 1)
-            session.run(features[:0], anchor, past, block=asked, filled=drafts)
-            expected = reference.step(torch.zeros(0, width), [anchor] + drafts.tolist(), past)
+            session.run(features[:0], anchor, past, block=asked, filled=drafts, copied=copied)
+            expected = reference.step(torch.zeros(0, width), [anchor] + drafts.tolist(), past, copy_ids)
             assert np.abs(session.logits[0, : block - 1] - expected.numpy()).max() <= 1e-4
 
 
 class BlockRecorder:
     """A stand-in drafter session that records the block each call asks for."""
 
-    block, width, columns, refine = BLOCK, 4, slice(None), False
+    block, width, columns, refine, copy = BLOCK, 4, slice(None), False, False
 
     def __init__(self):
         self.blocks, self.calls = [], []
 
-    def run(self, context, anchor, past, block=None, filled=None):
+    def run(self, context, anchor, past, block=None, filled=None, copied=()):
         self.blocks.append(block)
         self.calls.append((len(context), past, None if filled is None else list(filled)))
         rows = (block or self.block) - 1
@@ -148,13 +161,15 @@ def test_a_refining_drafter_drafts_from_a_second_call_over_its_first_drafts():
     assert draft.tokens == [2, 2, 2]  # drafted from the second call
 
 
-def test_runtime_loop_matches_the_torch_reference_loop(qwen3_dflash):
-    """Same drafts, same acceptance, step by step, with a full block verified each step."""
+@pytest.mark.parametrize("which", ["qwen3", "qwen3_copy"])
+def test_runtime_loop_matches_the_torch_reference_loop(which, request):
+    """Same drafts, same acceptance, step by step, with a full block verified each step (a
+    copy-aware drafter given lookup's copies by both)."""
     import dflash.runtime.speculative as speculative
     from dflash.export.dflash import DFlashDrafter, reference_generate
     from transformers import AutoModelForCausalLM
 
-    bundle, hf, drafter_folder = qwen3_dflash
+    bundle, hf, drafter_folder = request.getfixturevalue(f"{which}_dflash")
     target = AutoModelForCausalLM.from_pretrained(hf).eval()
     drafter = DFlashDrafter.load(drafter_folder)
     model = Model(bundle)
@@ -182,8 +197,9 @@ def prompts():
     return [[5 + i % 9 for i in range(40)], list(range(4, 70, 3)), [7, 30, 3, 90, 41]]
 
 
-def test_greedy_is_lossless(qwen3_dflash):
-    model = Model(qwen3_dflash[0])
+@pytest.mark.parametrize("which", ["qwen3", "qwen3_copy"])
+def test_greedy_is_lossless(which, request):
+    model = Model(request.getfixturevalue(f"{which}_dflash")[0])
     assert {"dflash", "dflash-tree", "dflash-hybrid"} <= set(model.drafters)
     for ids in prompts():
         plain = model.generate(input_ids=ids, max_new_tokens=60, ignore_eos=True)

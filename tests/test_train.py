@@ -363,6 +363,31 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     assert model.bundle.manifest["dflash"]["refine"]
     for drafter in ("dflash", "dflash-tree", "dflash-hybrid"):
         assert model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, drafter=drafter).tokens == plain.tokens
+    # a copy-aware drafter from the plain one: the same drafts until trained (its copy weights start at zero),
+    # then its copy weights learn; exported, the runtime feeds it lookup's copies, and decoding stays lossless
+    from dflash.train.objective import copy_candidates
+
+    train(source, manifest, [tmp_path / "data"], tmp_path / "copy0", tmp_path / "cache", max_steps=0, copy=True,
+          init_from=tmp_path / "drafter", **options)
+    copy0 = DFlashDrafter.load(tmp_path / "copy0")
+    assert copy0.config.copy and not copy0.copy_proj.weight.any() and not copy0.copy_kind.weight.any()
+    repeating = torch.tensor([5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7, 9])
+    copy_ids = copy_candidates(repeating, [2, 6], 8)
+    assert copy_ids[1].tolist() == [-1, 8, 5, 6, 7, -1, -1, -1] and copy_ids[0].tolist() == [-1] * 8
+    logits = [block_logits(d, features, repeating, [2, 6], embed, lm_head, cos, sin) for d in (shallow, copy0)]
+    assert torch.equal(logits[0], logits[1])
+    train(source, manifest, [tmp_path / "data"], tmp_path / "copy", tmp_path / "cache", max_steps=3, copy=True,
+          init_from=tmp_path / "drafter", **options)
+    copied = DFlashDrafter.load(tmp_path / "copy")
+    assert copied.copy_proj.weight.any() and copied.copy_kind.weight.any()
+    with pytest.raises(ValueError, match="--copy"):  # a plain drafter cannot start from a copy-aware one
+        train(source, manifest, [tmp_path / "data"], tmp_path / "other", tmp_path / "cache", max_steps=1,
+              init_from=tmp_path / "copy", **options)
+    export_dflash(tmp_path / "copy", tmp_path / "bundle")
+    model = Model(tmp_path / "bundle")
+    assert model.bundle.manifest["dflash"]["copy"]
+    for drafter in ("dflash", "dflash-tree", "dflash-hybrid"):
+        assert model.generate(input_ids=ids, max_new_tokens=30, ignore_eos=True, drafter=drafter).tokens == plain.tokens
 
 
 def test_label_cache_resumes_where_it_stopped(tmp_path):

@@ -56,8 +56,10 @@ def save_model_folder(arch: str, folder: Path, layers: int = 4, seed: int = 0, v
 
 def save_dflash_folder(folder: Path, hidden_size: int, target_layers: int, taps: list[int], vocab_size: int,
                        mask_token_id: int, block_size: int = 16, layers: int = 1, heads: int = 4,
-                       kv_heads: int = 2, head_dim: int = 16, seed: int = 0, std: float = 0.2) -> Path:
-    """A random DFlash drafter in z-lab's checkpoint layout: config.json + model.safetensors (bf16)."""
+                       kv_heads: int = 2, head_dim: int = 16, seed: int = 0, std: float = 0.2,
+                       copy: bool = False) -> Path:
+    """A random DFlash drafter in z-lab's checkpoint layout: config.json + model.safetensors (bf16);
+    `copy`: a copy-aware one (dflash-train fit --copy)."""
     import json
 
     import torch
@@ -70,7 +72,7 @@ def save_dflash_folder(folder: Path, hidden_size: int, target_layers: int, taps:
         "rope_theta": 1000000.0, "max_position_embeddings": 4096, "vocab_size": vocab_size,
         "block_size": block_size, "num_target_layers": target_layers, "hidden_act": "silu",
         "attention_bias": False, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
-        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": taps},
+        "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": taps, **({"copy": True} if copy else {})},
     }
     g = torch.Generator().manual_seed(seed)
 
@@ -93,6 +95,8 @@ def save_dflash_folder(folder: Path, hidden_size: int, target_layers: int, taps:
             p + "mlp.down_proj.weight": w(hidden_size, inter),
             p + "input_layernorm.weight": norm(hidden_size), p + "post_attention_layernorm.weight": norm(hidden_size),
         })
+    if copy:
+        state.update({"copy_proj.weight": w(hidden_size, hidden_size), "copy_kind.weight": w(3, hidden_size)})
     folder.mkdir(parents=True, exist_ok=True)
     (folder / "config.json").write_text(json.dumps(config, indent=1))
     save_file({k: v.contiguous() for k, v in state.items()}, str(folder / "model.safetensors"))

@@ -151,9 +151,12 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
 @click.option("--refine", is_flag=True,
               help="dflash: also learn a second pass over the block with the first pass's drafts in place of "
                    "the masks (the runtime then drafts in two calls; see dflash/train/objective.py)")
+@click.option("--copy", is_flag=True,
+              help="dflash: a copy-aware drafter, which also reads what prompt lookup copies into the block "
+                   "(see DFlashDrafter.block_input); --init from a plain drafter starts its copy weights at zero")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
         mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype, int4_data_dirs,
-        int4_share, int4_bundle, refine, from_round):
+        int4_share, int4_bundle, refine, copy, from_round):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
     (see dflash/train/fit.py and eagle3.py)."""
     import torch
@@ -182,9 +185,9 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
 
         if greedy_only:
             raise click.ClickException("--greedy-only is for --arch dflash (an EAGLE-3 head drafts one token a step)")
-        if target_dtype != "fp32" or int4_data_dirs or int4_bundle or refine or any(from_round):
-            raise click.ClickException("--target-dtype, --int4-data, --int4-bundle, --refine and --from-round are "
-                                       "for --arch dflash; drop them for --arch eagle3")
+        if target_dtype != "fp32" or int4_data_dirs or int4_bundle or refine or copy or any(from_round):
+            raise click.ClickException("--target-dtype, --int4-data, --int4-bundle, --refine, --copy and --from-round "
+                                       "are for --arch dflash; drop them for --arch eagle3")
 
         taps = [int(t) for t in head_taps.split(",")] if head_taps else None
         eagle3.train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", taps=taps,
@@ -195,7 +198,7 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
           draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
           seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
           target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, int4_share=int4_share,
-          int4_bundle=int4_bundle, refine=refine, from_round=list(from_round) or 0,
+          int4_bundle=int4_bundle, refine=refine, copy=copy, from_round=list(from_round) or 0,
           echo=lambda m: click.echo(m, err=True))
 
 

@@ -281,7 +281,7 @@ def held_out_split(n: int, start: int = 0) -> tuple[list[int], list[int]]:
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
           text_tokens=0, init_from=None, greedy_only=False, target_dtype="fp32", int4_data_dirs=(),
-          int4_share=None, int4_bundle=None, refine=False, from_round=0, echo=print) -> dict:
+          int4_share=None, int4_bundle=None, refine=False, copy=False, from_round=0, echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
     `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start);
     `greedy_only`: learn only labels on the target's greedy path (see greedy_path);
@@ -294,6 +294,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     `int4_bundle`: label those rows with this int4 bundle in ONNX Runtime instead (the taps the
     runtime's drafter reads, exactly, and several times faster than the emulation);
     `refine`: also learn the refining second pass (objective.py); each step costs two passes;
+    `copy`: a copy-aware drafter (DFlashDrafter.block_input); its copy weights, new, learn at COPY_LR_SCALE
+    times the rate;
     `from_round`: train on rounds N on only, one N for every folder or a list of one per folder
     (data_dirs, then int4_data_dirs)."""
     import torch
@@ -340,7 +342,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     # data (a wide gap: it memorizes) or a larger drafter (none) would help
     seen_ids = [i for pool in pools for i in pool if rows[i]["kind"] != "text"]
     seen_ids = random.Random(seed + 1).sample(seen_ids, min(64, len(seen_ids)))
-    config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id, refine))
+    config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id, refine, copy))
     drafter = DFlashDrafter(config)
     _init(drafter, seed)
     if init_from and not resume:
@@ -351,7 +353,10 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         lm_head = lm_head[:, d2t].contiguous()
     cos, sin = config.rotary_tables(max(len(r["prompt"]) + len(r["answer"]) for r in rows) + block + 1)
     # fused: one kernel over all parameters, its step ~7x faster than the default's
-    optimizer = torch.optim.AdamW(drafter.parameters(), lr=lr, weight_decay=0.01, fused=True)
+    new = [p for name, p in drafter.named_parameters() if name.startswith("copy_")]
+    rest = [p for name, p in drafter.named_parameters() if not name.startswith("copy_")]
+    groups = [{"params": rest, "scale": 1.0}] + ([{"params": new, "scale": COPY_LR_SCALE}] if new else [])
+    optimizer = torch.optim.AdamW(groups, lr=lr, weight_decay=0.01, fused=True)
     checkpoint = out / "checkpoint.pt"
     state = resume_from(checkpoint, "drafter", drafter, optimizer, rng, echo) if resume else None
     state = state or {"step": 0, "seconds": 0.0, "history": []}
@@ -366,7 +371,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         tokens = torch.tensor(rows[i]["prompt"] + rows[i]["answer"])
         picked = sample_anchors(len(rows[i]["prompt"]), len(tokens), anchors, rng)
         for group in optimizer.param_groups:
-            group["lr"] = learning_rate(lr, state, budget)
+            group["lr"] = learning_rate(lr, state, budget) * group["scale"]
         features = cache.sequence(i)[0]
         label_ids, label_p, valid = block_labels(cache, i, picked, block, tokens if greedy_only else None)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
@@ -437,7 +442,8 @@ def saved_vocabulary(folder: Path, size: int):
 def warm_start(drafter, folder, echo) -> None:
     """Copy the weights of the drafter in `folder`: the same shape, or fewer layers (a deeper
     drafter grown from it: the layers it lacks start as the identity, their output projections
-    zero, so training starts from exactly the drafts of the one in `folder`)."""
+    zero, so training starts from exactly the drafts of the one in `folder`), or a plain one into a
+    copy-aware one (its copy weights start at zero: the same drafts, until trained)."""
     import torch
 
     from dflash.export.dflash import DFlashDrafter
@@ -447,19 +453,30 @@ def warm_start(drafter, folder, echo) -> None:
     differ = [k for k in keys if getattr(drafter.config, k) != getattr(source.config, k)]
     if source.config.layers > drafter.config.layers:
         differ.append("layers")
+    if source.config.copy and not drafter.config.copy:
+        differ.append("copy")
     if differ:
         raise ValueError(f"--init {folder} has another shape ({', '.join(differ)} differ): give the same "
-                         "--block (and --layers at least its layers), or drop --init")
+                         "--block (and --layers at least its layers, --copy if it has it), or drop --init")
     missing, _ = drafter.load_state_dict(source.state_dict(), strict=False)
-    assert all(k.startswith("layers.") for k in missing), missing
+    assert all(k.startswith(("layers.", "copy_")) for k in missing), missing
     with torch.no_grad():
+        for name, p in drafter.named_parameters():
+            if name in missing and name.startswith("copy_"):
+                p.zero_()
         for layer in drafter.layers[source.config.layers:]:
             for projection in (layer.self_attn.o_proj, layer.mlp.down_proj):
                 projection.weight.zero_()
                 if projection.bias is not None:
                     projection.bias.zero_()
     grown = drafter.config.layers - source.config.layers
-    echo(f"started from the weights in {folder}" + (f", {grown} more layer(s) as the identity" if grown else ""))
+    echo(f"started from the weights in {folder}" + (f", {grown} more layer(s) as the identity" if grown else "")
+         + (", its copy weights at zero" if drafter.config.copy and not source.config.copy else ""))
+
+
+# A copy-aware drafter's copy weights start at zero from a warm start: at the drafter's learning rate
+# they barely move within a fit (a scratch fit learned them at ~3x, stop 42)
+COPY_LR_SCALE = 3.0
 
 
 # A step takes well under a second; one that took longer than this was paused (SIGSTOP while
@@ -515,7 +532,8 @@ def native_bf16() -> bool:
     return "avx512_bf16" in flags or "amx_bf16" in flags
 
 
-def _zlab_config(tc, manifest: dict, layers: int, block: int, mask_token_id: int, refine: bool = False) -> dict:
+def _zlab_config(tc, manifest: dict, layers: int, block: int, mask_token_id: int, refine: bool = False,
+                 copy: bool = False) -> dict:
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": tc.hidden_size,
             "num_hidden_layers": layers, "num_attention_heads": tc.num_attention_heads,
@@ -527,7 +545,7 @@ def _zlab_config(tc, manifest: dict, layers: int, block: int, mask_token_id: int
             "block_size": block, "num_target_layers": tc.num_hidden_layers, "hidden_act": "silu",
             "attention_bias": False, "tie_word_embeddings": False,
             "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": manifest["taps"],
-                              **({"refine": True} if refine else {})}}
+                              **({"refine": True} if refine else {}), **({"copy": True} if copy else {})}}
 
 
 def _init(drafter, seed: int) -> None:
