@@ -51,6 +51,32 @@ def lookup_draft(tokens: list[int], k: int, max_ngram: int = 3) -> tuple[list[in
     return [], 0
 
 
+class NgramLookup:
+    """lookup_draft over a text that grows (a generation's history), each call O(new tokens): where
+    every 1..max_ngram-gram last ended, indexed as the text grows; a text that is not the last one
+    grown starts the index over.  The scan costs ~0.4 ms a call at 1K tokens, a tenth of an int4 step."""
+
+    def __init__(self, max_ngram: int = 3):
+        self.max_ngram = max_ngram
+        self.text: list[int] = []  # the tokens indexed: every n-gram ending in them
+        self.latest: dict[tuple[int, ...], int] = {}  # n-gram -> where it last ended
+
+    def __call__(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """lookup_draft(tokens, k, max_ngram)."""
+        if len(tokens) <= len(self.text) or tokens[: len(self.text)] != self.text:
+            self.text, self.latest = [], {}
+        # index the n-grams ending before the last token (the tail's own must not match itself)
+        for end in range(len(self.text), len(tokens) - 1):
+            for n in range(1, min(self.max_ngram, end + 1) + 1):
+                self.latest[tuple(tokens[end - n + 1 : end + 1])] = end
+        self.text = tokens[: len(tokens) - 1]
+        for n in range(min(self.max_ngram, len(tokens) - 1), 0, -1):
+            end = self.latest.get(tuple(tokens[-n:]))
+            if end is not None:
+                return tokens[end + 1 : end + 1 + k], n
+        return [], 0
+
+
 class LookupDrafter(Drafter):
     """Copies what followed an earlier occurrence of the latest n-gram (no model). With a
     `memory` of the answers it served, where one continues a longer suffix than the prompt does,
@@ -62,6 +88,7 @@ class LookupDrafter(Drafter):
                  memory: AnswerMemory | None = None):
         super().__init__(policy)
         self.max_ngram = max_ngram
+        self.lookup = NgramLookup(max_ngram)
         self.corpus, self.memory = corpus, memory
         # Longer matches continue correctly more often: one acceptance record per match length,
         # and one each for the memory's and the corpus's drafts.
@@ -74,7 +101,7 @@ class LookupDrafter(Drafter):
 
     def propose(self, history: list[int], room: int) -> Draft:
         limit = min(room, MAX_DRAFT)
-        tokens, self.source = lookup_draft(history, limit, self.max_ngram)
+        tokens, self.source = self.lookup(history, limit)
         if self.memory is not None:
             remembered, order = self.memory.match(history)
             if order > self.source:

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from dflash.runtime import BundleError, Model
-from dflash.runtime.drafters import Drafter, HybridDrafter, LookupDrafter, lookup_draft
+from dflash.runtime.drafters import Drafter, HybridDrafter, LookupDrafter, NgramLookup, lookup_draft
 from dflash.runtime.policy import MAX_DRAFT, Acceptance, Beside, Policy, VerifyCost
 from dflash.runtime.speculative import Draft, accept
 from dflash.runtime.target import causal_mask
@@ -20,6 +20,20 @@ def test_lookup_draft_follows_the_latest_match():
     assert lookup_draft([1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3], 3) == ([7, 5, 1], 3)
     assert lookup_draft([4, 5, 6], 2) == ([], 0)
     assert lookup_draft([8, 1, 2, 8], 5) == ([1, 2, 8], 1)
+
+
+def test_the_growing_ngram_index_drafts_what_the_scan_does():
+    """A text grown a few tokens at a time (as a generation's history is), then another text."""
+    import random
+
+    rng = random.Random(0)
+    index = NgramLookup()
+    for _ in range(3):
+        text = [rng.randrange(6)]
+        while len(text) < 300:
+            text = text + [rng.randrange(6) for _ in range(rng.randrange(1, 5))]
+            assert index(text, 7) == lookup_draft(text, 7), len(text)
+    assert index([4, 5, 6], 2) == ([], 0) and index([8, 1, 2, 8], 5) == ([1, 2, 8], 1)
 
 
 def test_tree_inputs_mask_ancestors_only():
