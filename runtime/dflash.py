@@ -127,7 +127,7 @@ class DFlashDrafter(Drafter):
         super().__init__(policy)
         self.session, self.tree = session, tree
         self.calibration = Calibration()
-        self.lookup = NgramLookup()  # what a copy-aware drafter is given
+        self.ngrams = NgramLookup()  # what a copy-aware drafter is given
         self.confidence: list[float] = []
         self.begin()
         start = time.perf_counter()
@@ -154,7 +154,7 @@ class DFlashDrafter(Drafter):
             raise RuntimeError(f"drafter context out of step: {self.past} + {len(context)} rows "
                                f"for {len(history) - 1} committed tokens")
         start = time.perf_counter()
-        copied = self.lookup(history, self.session.block - 1)[0] if self.session.copy else ()
+        copied = self.ngrams(history, self.session.block - 1)[0] if self.session.copy else ()
         logprobs, ids = self._draft(context, history[-1], self.past, positions + 1, copied)
         self.call_ms += 0.1 * ((time.perf_counter() - start) * 1e3 - self.call_ms)
         self.past, self.pending = len(history) - 1, []

@@ -88,7 +88,7 @@ class LookupDrafter(Drafter):
                  memory: AnswerMemory | None = None):
         super().__init__(policy)
         self.max_ngram = max_ngram
-        self.lookup = NgramLookup(max_ngram)
+        self.ngrams = NgramLookup(max_ngram)
         self.corpus, self.memory = corpus, memory
         # Longer matches continue correctly more often: one acceptance record per match length,
         # and one each for the memory's and the corpus's drafts.
@@ -101,7 +101,7 @@ class LookupDrafter(Drafter):
 
     def propose(self, history: list[int], room: int) -> Draft:
         limit = min(room, MAX_DRAFT)
-        tokens, self.source = self.lookup(history, limit)
+        tokens, self.source = self.ngrams(history, limit)
         if self.memory is not None:
             remembered, order = self.memory.match(history)
             if order > self.source:
