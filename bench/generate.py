@@ -33,10 +33,10 @@ def make_runners(bundles, modes: list[str], draft_len, layouts: dict, sampling=N
                  answer_memory: int = 0) -> tuple[dict, dict, list, object]:
     """({name: runner}, {name: the name it is compared with}, skipped notes, the last Model).
     A name is the mode, then the bundle's suffix ("" for the first bundle, then -DTYPE, or the
-    folder name if that is taken), then the layout's suffix."""
+    folder name if an earlier bundle has that dtype), then the layout's suffix."""
     from dflash.runtime import Model
 
-    runners, bases, skipped, names = {}, {}, [], []
+    runners, bases, skipped, names, dtypes = {}, {}, [], [], []
     for i, bundle in enumerate(bundles):
         for layout, options in layouts.items():
             pages = {"DFLASH_HUGE_PAGES": "0"} if layout == "@4k" else {}
@@ -46,7 +46,8 @@ def make_runners(bundles, modes: list[str], draft_len, layouts: dict, sampling=N
                     model.drafter(mode, draft_len)  # its sessions too
             if not layout:
                 dtype = f"-{model.bundle.graphs['target']['dtype']}"
-                names.append("" if i == 0 else dtype if dtype not in names else f"-{Path(bundle).name}")
+                names.append("" if i == 0 else dtype if dtype not in dtypes else f"-{Path(bundle).name}")
+                dtypes.append(dtype)
             suffix = names[i] + layout
             for mode in modes:
                 if mode != "ar" and mode not in model.drafters:
