@@ -33,8 +33,8 @@ $(BUNDLE)/dflash.json: | $(VENV)/.installed
 	$(BIN)/dflash-export target default --out $(BUNDLE) --overwrite
 
 # The default drafter (trained by this project, shipped in export/default_drafter), int4 (the
-# export's default), after the corpus it also copies from; order-only, since adding it rewrites dflash.json.
-$(BUNDLE)/drafter_int4.onnx: | $(BUNDLE)/dflash.json $(BUNDLE)/suffix_corpus.npy
+# export's default); order-only, since adding it rewrites dflash.json.
+$(BUNDLE)/drafter_int4.onnx: | $(BUNDLE)/dflash.json
 	$(BIN)/dflash-export drafter default --target $(BUNDLE)
 
 # The suffix drafter's corpus: the default model's own answers from the drafter campaign

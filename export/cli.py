@@ -235,12 +235,7 @@ def drafter(src, target_dir, dtype, draft_vocab, vocab_text):
         elif src != "default" and is_eagle3(Path(src)):
             export_eagle3(src, target_dir, dtype)
         else:
-            manifest = export_dflash(src, target_dir, dtype, draft_vocab=draft_vocab, vocab_text=vocab_text)
-            if manifest["dflash"]["copy_corpus"] and "suffix_corpus" not in manifest:
-                click.echo(f"note: this drafter also copies from a corpus of the target's own answers, which "
-                           f"{target_dir} lacks; without one it copies from the prompt alone. Add it with "
-                           f"`dflash-export corpus ANSWERS_FOLDER --target {target_dir}` (the default model's: "
-                           "campaign/smollm2/answers)", err=True)
+            export_dflash(src, target_dir, dtype, draft_vocab=draft_vocab, vocab_text=vocab_text)
     except (SourceError, DiskFullError, FileExistsError) as e:
         raise click.ClickException(str(e))
 
@@ -315,7 +310,7 @@ def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()
     manifest["dflash"] = {"source": str(Path(src).resolve()), "block_size": c.block_size,
                           "mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids,
                           "capacity": capacity, "draft_vocab": None if drafter.d2t is None else len(drafter.d2t),
-                          "refine": c.refine, "copy": c.copy, "copy_corpus": c.copy_corpus,
+                          "refine": c.refine, "copy": c.copy,
                           "kv": {"layers": c.layers, "kv_heads": c.kv_heads,
                                                        "heads": c.heads, "head_dim": c.head_dim},
                           "export_check": {"logits": diff}}

@@ -41,7 +41,6 @@ class DFlashConfig:
     softcap: float | None = None
     refine: bool = False  # trained with a refining second pass over its own drafts (dflash-train fit --refine)
     copy: bool = False  # reads what prompt lookup would copy into the block (dflash-train fit --copy)
-    copy_corpus: bool = False  # ... or, where lookup matches under 2 tokens, the suffix corpus (fit --copy-corpus)
     raw: dict = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -70,7 +69,7 @@ class DFlashConfig:
                    embedding_scale=float(draft.get("input_embedding_scale", d.get("input_embedding_scale", 1.0))),
                    output_multiplier=float(draft.get("output_multiplier", d.get("output_multiplier", 1.0))),
                    softcap=float(softcap) if softcap else None, refine=bool(draft.get("refine", False)),
-                   copy=bool(draft.get("copy", False)), copy_corpus=bool(draft.get("copy_corpus", False)), raw=d)
+                   copy=bool(draft.get("copy", False)), raw=d)
 
     def rotary_tables(self, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin [max_len, D/2], from transformers' Qwen3 rotary module (any rope scaling)."""
@@ -139,7 +138,7 @@ class DFlashDrafter(torch.nn.Module):
         self.norm = RMSNorm(c.hidden_size, c.eps)
         if c.copy:  # see block_input
             self.copy_proj = _linear(c.hidden_size, c.hidden_size)
-            self.copy_kind = torch.nn.Embedding(4 if c.copy_corpus else 3, c.hidden_size)
+            self.copy_kind = torch.nn.Embedding(3, c.hidden_size)
         self.d2t: torch.Tensor | None = None  # reduced draft vocabulary, if trained with one
 
     def head(self, lm_head: torch.Tensor) -> torch.Tensor:
@@ -188,23 +187,15 @@ class DFlashDrafter(torch.nn.Module):
         the anchor's, is ignored), embedded and projected by copy_proj, and a learned marker of the
         row's kind (0 the anchor, 1 nothing to copy, 2 a copy).  A drafter alone cannot tell what
         repeats (it is right as often where the next token follows an earlier occurrence of the
-        anchor as elsewhere); lookup alone is right ~37% of the time: given both, it learns when to copy.
-        A corpus-aware one (`copy_corpus`) is given the `suffix` drafter's copy instead (runtime's
-        copy_draft: lookup, or where it matches under 2 tokens the corpus of the target's earlier answers),
-        a corpus copy as its token id + vocab_size, with a marker of its own (kind 3)."""
+        anchor as elsewhere); lookup alone is right ~37% of the time: given both, it learns when to copy."""
         c = self.config
         x = torch.nn.functional.embedding(block_ids, embed) * c.embedding_scale
         if not c.copy:
             return x
         masked = torch.arange(block_ids.shape[-1]) > 0
         has = (copy_ids >= 0) & masked
-        kind = masked.long() + has.long()
-        if c.copy_corpus:
-            from_corpus = copy_ids >= c.vocab_size
-            copy_ids = copy_ids - from_corpus.long() * c.vocab_size
-            kind = kind + (from_corpus & masked).long()
         copied = self.copy_proj(torch.nn.functional.embedding(copy_ids.clamp(min=0), embed))
-        return x + self.copy_kind(kind) + copied * has.unsqueeze(-1).to(copied.dtype)
+        return x + self.copy_kind(masked.long() + has.long()) + copied * has.unsqueeze(-1).to(copied.dtype)
 
     def context(self, features):
         """Tap features [.., N, T*H] -> the fused context rows."""
@@ -326,11 +317,8 @@ def example_inputs(c: DFlashConfig, capacity: int, n: int = 3, past: int = 5, se
     positions = torch.arange(past, past + n + b).unsqueeze(0)
     mask = torch.ones(n + b, n + b, dtype=torch.bool)
     caches = [torch.randn(1, c.kv_heads, capacity, c.head_dim, generator=g) * 0.5 for _ in range(2 * c.layers)]
-    # a copy on some rows, none on others (-1), a corpus copy on others (+ vocab_size)
-    copied = torch.randint(0, c.vocab_size, (b,), generator=g)
-    if c.copy_corpus:
-        copied = copied + (torch.arange(b) % 3 == 1).long() * c.vocab_size
-    copy_ids = [torch.where(torch.arange(b) % 3 == 2, -1, copied)[None]]
+    # a copy on some rows, none on others (-1)
+    copy_ids = [torch.where(torch.arange(b) % 3 == 2, -1, torch.randint(0, c.vocab_size, (b,), generator=g))[None]]
     return (features, block, positions, mask, torch.tensor(past, dtype=torch.int64),
             *(copy_ids if c.copy else []), *caches)
 

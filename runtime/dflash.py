@@ -12,10 +12,9 @@ so the drafts can differ slightly from a full block's).  A drafter trained to re
 (`dflash-train fit --refine`) gets a second call over the same block with the first call's
 drafts in place of the masks, and drafts from that.  A copy-aware drafter (`fit --copy`) is also
 given what prompt lookup copies into the block (the tokens after the latest earlier match of the
-text's last n-gram), and learned when to trust it; a corpus-aware one (`fit --copy-corpus`) is given
-the `suffix` drafter's copy: lookup's, or where it matches under 2 tokens the corpus's continuation.
-Its cache holds context rows only: each call writes the pending context rows (those of the last
-step's accepted tokens) after the ones already there, and the block rows after those are scratch.
+text's last n-gram), and learned when to trust it.  Its cache holds context rows only:
+each call writes the pending context rows (those of the last step's accepted tokens) after
+the ones already there, and the block rows after those are scratch.
 """
 
 from __future__ import annotations
@@ -27,11 +26,10 @@ import numpy as np
 import onnxruntime as ort
 
 from .bundle import Bundle
-from .drafters import Calibration, Drafter, NgramLookup, copy_draft
+from .drafters import Calibration, Drafter, NgramLookup
 from .policy import ALONE, MAX_DRAFT, Beside, Policy
 from .session import make_session, run_pinned
 from .speculative import Draft
-from .suffix import SuffixIndex
 
 
 class DrafterSession:
@@ -48,8 +46,6 @@ class DrafterSession:
         self.block, self.mask_id, self.capacity = info["block_size"], info["mask_token_id"], info["capacity"]
         self.refine = bool(info.get("refine", False))  # trained with a refining second pass
         self.copy = "copy_ids" in {i.name for i in self.session.get_inputs()}  # a copy-aware drafter
-        self.copy_corpus = bool(info.get("copy_corpus", False))  # ... given the suffix corpus's copies too
-        self.vocab_size = bundle.vocab_size
         kv = info["kv"]
         shape = (1, kv["kv_heads"], self.capacity, kv["head_dim"])
         self.caches = [np.zeros(shape, np.float32) for _ in range(2 * kv["layers"])]
@@ -127,11 +123,9 @@ class DrafterSession:
 class DFlashDrafter(Drafter):
     wants_taps = True
 
-    def __init__(self, policy: Policy, session: DrafterSession, tree: bool = False,
-                 corpus: SuffixIndex | None = None):
-        """`corpus`: for a corpus-aware drafter (session.copy_corpus), the bundle's suffix corpus."""
+    def __init__(self, policy: Policy, session: DrafterSession, tree: bool = False):
         super().__init__(policy)
-        self.session, self.tree, self.corpus = session, tree, corpus
+        self.session, self.tree = session, tree
         self.calibration = Calibration()
         self.ngrams = NgramLookup()  # what a copy-aware drafter is given
         self.confidence: list[float] = []
@@ -160,19 +154,13 @@ class DFlashDrafter(Drafter):
             raise RuntimeError(f"drafter context out of step: {self.past} + {len(context)} rows "
                                f"for {len(history) - 1} committed tokens")
         start = time.perf_counter()
-        copied = self._copied(history) if self.session.copy else ()
+        copied = self.ngrams(history, self.session.block - 1)[0] if self.session.copy else ()
         logprobs, ids = self._draft(context, history[-1], self.past, positions + 1, copied)
         self.call_ms += 0.1 * ((time.perf_counter() - start) * 1e3 - self.call_ms)
         self.past, self.pending = len(history) - 1, []
         if self.tree:
             return self._tree(logprobs[:limit], ids[:limit], min(room, MAX_DRAFT), beside)
         return self._chain(logprobs[:limit], ids[:limit], beside)
-
-    def _copied(self, history: list[int]) -> list[int]:
-        """What a copy-aware drafter is given: copy_draft's tokens, a corpus copy as its id + vocab_size
-        (DFlashDrafter.block_input in export/dflash.py)."""
-        tokens, from_corpus = copy_draft(self.ngrams, history, self.session.block - 1, self.corpus)
-        return [t + self.session.vocab_size for t in tokens] if from_corpus else tokens
 
     def _draft(self, context: np.ndarray, anchor: int, past: int, block: int,
                copied: list[int] = ()) -> tuple[np.ndarray, np.ndarray]:

@@ -51,18 +51,6 @@ def lookup_draft(tokens: list[int], k: int, max_ngram: int = 3) -> tuple[list[in
     return [], 0
 
 
-def copy_draft(lookup, history: list[int], k: int, corpus: SuffixIndex | None = None) -> tuple[list[int], bool]:
-    """What the `suffix` drafter copies after `history` (its answer memory aside), up to k tokens:
-    prompt lookup's continuation (`lookup`: lookup_draft or an NgramLookup) where it matches 2+
-    tokens, else the `corpus`'s where it has one, else lookup's; and whether it came from the corpus."""
-    tokens, order = lookup(history, k)
-    if corpus is not None and order < 2:
-        from_corpus = corpus.draft(history)[:k]
-        if from_corpus:
-            return from_corpus, True
-    return tokens, False
-
-
 class NgramLookup:
     """lookup_draft over a text that grows (a generation's history), each call O(new tokens): where
     every 1..max_ngram-gram last ended, indexed as the text grows; a text that is not the last one

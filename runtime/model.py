@@ -163,8 +163,7 @@ class Model:
                 if self._dflash is None:
                     threads = len(self.draft_cores) if self.draft_cores else self.threads
                     self._dflash = DrafterSession(self.bundle, threads, self.draft_cores)
-                corpus = self._corpus() if self._dflash.copy_corpus else None
-                dflash = DFlashDrafter(policy, self._dflash, tree=name != "dflash", corpus=corpus)
+                dflash = DFlashDrafter(policy, self._dflash, tree=name != "dflash")
                 if name == "dflash-hybrid":
                     dflash = HybridDrafter(policy, dflash, self._copier(policy))
                 self._drafters[key] = dflash

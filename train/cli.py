@@ -154,13 +154,9 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
 @click.option("--copy", is_flag=True,
               help="dflash: a copy-aware drafter, which also reads what prompt lookup copies into the block "
                    "(see DFlashDrafter.block_input); --init from a plain drafter starts its copy weights at zero")
-@click.option("--copy-corpus", "copy_corpus", type=click.Path(exists=True, file_okay=False), multiple=True,
-              help="dflash: a copy-aware drafter given the suffix drafter's copies: lookup's, or where it matches "
-                   "under 2 tokens the continuation in a corpus of these answer folders' answers (give the folders "
-                   "`dflash-export corpus` ships in the bundle, none of --data); implies --copy")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
         mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype, int4_data_dirs,
-        int4_share, int4_bundle, refine, copy, from_round, copy_corpus):
+        int4_share, int4_bundle, refine, copy, from_round):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
     (see dflash/train/fit.py and eagle3.py)."""
     import torch
@@ -189,24 +185,21 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
 
         if greedy_only:
             raise click.ClickException("--greedy-only is for --arch dflash (an EAGLE-3 head drafts one token a step)")
-        if target_dtype != "fp32" or int4_data_dirs or int4_bundle or refine or copy or copy_corpus or any(from_round):
-            raise click.ClickException("--target-dtype, --int4-data, --int4-bundle, --refine, --copy, --copy-corpus and "
-                                       "--from-round are for --arch dflash; drop them for --arch eagle3")
+        if target_dtype != "fp32" or int4_data_dirs or int4_bundle or refine or copy or any(from_round):
+            raise click.ClickException("--target-dtype, --int4-data, --int4-bundle, --refine, --copy and --from-round "
+                                       "are for --arch dflash; drop them for --arch eagle3")
 
         taps = [int(t) for t in head_taps.split(",")] if head_taps else None
         eagle3.train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", taps=taps,
                      draft_vocab=draft_vocab or 8192, minutes=minutes, lr=min(lr, 3e-4), seed=seed, resume=resume,
                      text_tokens=text_tokens, init_from=init_from, echo=lambda m: click.echo(m, err=True))
         return
-    try:
-        train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
-              draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
-              seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
-              target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, int4_share=int4_share,
-              int4_bundle=int4_bundle, refine=refine, copy=copy, from_round=list(from_round) or 0,
-              copy_corpus=copy_corpus, echo=lambda m: click.echo(m, err=True))
-    except ValueError as e:  # a bad --init or --copy-corpus: what to change
-        raise click.ClickException(str(e))
+    train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
+          draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
+          seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
+          target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, int4_share=int4_share,
+          int4_bundle=int4_bundle, refine=refine, copy=copy, from_round=list(from_round) or 0,
+          echo=lambda m: click.echo(m, err=True))
 
 
 @main.command("eval")

@@ -281,8 +281,7 @@ def held_out_split(n: int, start: int = 0) -> tuple[list[int], list[int]]:
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
           text_tokens=0, init_from=None, greedy_only=False, target_dtype="fp32", int4_data_dirs=(),
-          int4_share=None, int4_bundle=None, refine=False, copy=False, from_round=0, copy_corpus=(),
-          echo=print) -> dict:
+          int4_share=None, int4_bundle=None, refine=False, copy=False, from_round=0, echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
     `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start);
     `greedy_only`: learn only labels on the target's greedy path (see greedy_path);
@@ -297,8 +296,6 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     `refine`: also learn the refining second pass (objective.py); each step costs two passes;
     `copy`: a copy-aware drafter (DFlashDrafter.block_input); its copy weights, new, learn at COPY_LR_SCALE
     times the rate;
-    `copy_corpus`: answer folders whose answers make the corpus a corpus-aware copy-aware drafter is
-    also given copies from (the `suffix` drafter's corpus; none of the training's own answers);
     `from_round`: train on rounds N on only, one N for every folder or a list of one per folder
     (data_dirs, then int4_data_dirs)."""
     import torch
@@ -345,9 +342,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     # data (a wide gap: it memorizes) or a larger drafter (none) would help
     seen_ids = [i for pool in pools for i in pool if rows[i]["kind"] != "text"]
     seen_ids = random.Random(seed + 1).sample(seen_ids, min(64, len(seen_ids)))
-    corpus = copy_corpus_index(copy_corpus, [*data_dirs, *int4_data_dirs]) if copy_corpus else None
-    config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id, refine,
-                                                 copy or bool(copy_corpus), bool(copy_corpus)))
+    config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id, refine, copy))
     drafter = DFlashDrafter(config)
     _init(drafter, seed)
     if init_from and not resume:
@@ -381,15 +376,14 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         label_ids, label_p, valid = block_labels(cache, i, picked, block, tokens if greedy_only else None)
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
             if refine:  # the second pass reads the first pass's drafts at every position
-                logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin, corpus=corpus)
+                logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin)
                 refined = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin,
-                                       filled=first_pass_drafts(logits, d2t), corpus=corpus)
+                                       filled=first_pass_drafts(logits, d2t))
                 loss = (soft_loss(logits, label_ids, label_p, valid, weights)
                         + soft_loss(refined, label_ids, label_p, valid, weights))
             else:  # the head only where a label weighs: the same loss, ~25% less time a step
                 keep = labelled_rows(valid, label_ids)
-                logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin, rows=keep,
-                                      corpus=corpus)
+                logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin, rows=keep)
                 loss = soft_loss(logits, label_ids[keep], label_p[keep], valid[keep], weights.expand_as(valid)[keep])
         optimizer.zero_grad()
         loss.backward()
@@ -399,8 +393,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         state["seconds"] += step_seconds(start)
         if time.perf_counter() > eval_due or state["seconds"] >= budget or state["step"] == max_steps:
             eval_start = time.perf_counter()
-            tau = held_out_tau(drafter, rows, cache, held_ids, embed, lm_head, cos, sin, corpus=corpus)
-            seen_tau = held_out_tau(drafter, rows, cache, seen_ids, embed, lm_head, cos, sin, corpus=corpus)
+            tau = held_out_tau(drafter, rows, cache, held_ids, embed, lm_head, cos, sin)
+            seen_tau = held_out_tau(drafter, rows, cache, seen_ids, embed, lm_head, cos, sin)
             state["history"].append({"step": state["step"], "minutes": state["seconds"] / 60,
                                      "loss": loss.item(), "tau": tau, "train_tau": seen_tau})
             echo(f"  step {state['step']}, {state['seconds'] / 60:.1f}/{minutes:.0f} min, loss {loss.item():.3f}, "
@@ -461,17 +455,10 @@ def warm_start(drafter, folder, echo) -> None:
         differ.append("layers")
     if source.config.copy and not drafter.config.copy:
         differ.append("copy")
-    if source.config.copy_corpus and not drafter.config.copy_corpus:
-        differ.append("copy-corpus")
     if differ:
         raise ValueError(f"--init {folder} has another shape ({', '.join(differ)} differ): give the same "
-                         "--block (and --layers at least its layers, --copy / --copy-corpus if it has them), "
-                         "or drop --init")
-    state = source.state_dict()
-    if drafter.config.copy_corpus and source.config.copy and not source.config.copy_corpus:
-        # a corpus copy (kind 3) starts marked as a lookup copy (kind 2)
-        state["copy_kind.weight"] = torch.cat([state["copy_kind.weight"], state["copy_kind.weight"][2:3]])
-    missing, _ = drafter.load_state_dict(state, strict=False)
+                         "--block (and --layers at least its layers, --copy if it has it), or drop --init")
+    missing, _ = drafter.load_state_dict(source.state_dict(), strict=False)
     assert all(k.startswith(("layers.", "copy_")) for k in missing), missing
     with torch.no_grad():
         for name, p in drafter.named_parameters():
@@ -484,26 +471,7 @@ def warm_start(drafter, folder, echo) -> None:
                     projection.bias.zero_()
     grown = drafter.config.layers - source.config.layers
     echo(f"started from the weights in {folder}" + (f", {grown} more layer(s) as the identity" if grown else "")
-         + (", its copy weights at zero" if drafter.config.copy and not source.config.copy else "")
-         + (", corpus copies marked as lookup copies" if drafter.config.copy_corpus and source.config.copy
-            and not source.config.copy_corpus else ""))
-
-
-def copy_corpus_index(folders, data_dirs):
-    """The SuffixIndex of the answers in `folders`, as `dflash-export corpus` ships them, for a
-    corpus-aware drafter: none may be a folder it trains on (it would copy the very answers it learns)."""
-    from dflash.runtime.suffix import SuffixIndex
-
-    from .shards import read_all
-
-    shared = {Path(f).resolve() for f in folders} & {Path(d).resolve() for d in data_dirs}
-    if shared:
-        raise ValueError(f"--copy-corpus {', '.join(map(str, sorted(shared)))} is also training data: the "
-                         "corpus would hold the very answers the drafter learns; give another answers folder")
-    answers = [row["answer"] for folder in folders for row in read_all(Path(folder))]
-    if not answers:
-        raise ValueError(f"no answer shards in {', '.join(map(str, folders))} for --copy-corpus")
-    return SuffixIndex.from_answers(answers)
+         + (", its copy weights at zero" if drafter.config.copy and not source.config.copy else ""))
 
 
 # A copy-aware drafter's copy weights start at zero from a warm start, so they learn faster than the
@@ -565,7 +533,7 @@ def native_bf16() -> bool:
 
 
 def _zlab_config(tc, manifest: dict, layers: int, block: int, mask_token_id: int, refine: bool = False,
-                 copy: bool = False, copy_corpus: bool = False) -> dict:
+                 copy: bool = False) -> dict:
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": tc.hidden_size,
             "num_hidden_layers": layers, "num_attention_heads": tc.num_attention_heads,
@@ -577,8 +545,7 @@ def _zlab_config(tc, manifest: dict, layers: int, block: int, mask_token_id: int
             "block_size": block, "num_target_layers": tc.num_hidden_layers, "hidden_act": "silu",
             "attention_bias": False, "tie_word_embeddings": False,
             "dflash_config": {"mask_token_id": mask_token_id, "target_layer_ids": manifest["taps"],
-                              **({"refine": True} if refine else {}), **({"copy": True} if copy else {}),
-                              **({"copy_corpus": True} if copy_corpus else {})}}
+                              **({"refine": True} if refine else {}), **({"copy": True} if copy else {})}}
 
 
 def _init(drafter, seed: int) -> None:
@@ -591,8 +558,7 @@ def _init(drafter, seed: int) -> None:
                 p.copy_(torch.randn(p.shape, generator=g) * 0.02)
 
 
-def held_out_tau(drafter, rows, cache: LabelCache, held_ids, embed, lm_head, cos, sin, per_sequence: int = 16,
-                 corpus=None):
+def held_out_tau(drafter, rows, cache: LabelCache, held_ids, embed, lm_head, cos, sin, per_sequence: int = 16):
     """Simulated greedy acceptance on held-out sequences: a draft at block position k is
     accepted while it equals the target's argmax at that position (given the data's prefix).
     tau = 1 + mean accepted.  Only an estimate: `dflash-train eval` measures through the runtime."""
@@ -606,10 +572,10 @@ def held_out_tau(drafter, rows, cache: LabelCache, held_ids, embed, lm_head, cos
             tokens = torch.tensor(rows[i]["prompt"] + rows[i]["answer"])
             picked = sample_anchors(len(rows[i]["prompt"]), len(tokens), per_sequence, rng)
             features = cache.sequence(i)[0]
-            logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin, corpus=corpus)
+            logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin)
             if drafter.config.refine:  # the drafts the runtime verifies are the second pass's
                 logits = block_logits(drafter, features, tokens, picked, embed, lm_head, cos, sin,
-                                      filled=first_pass_drafts(logits, cache.d2t), corpus=corpus)
+                                      filled=first_pass_drafts(logits, cache.d2t))
             drafts = logits.argmax(-1)
             label_ids, _, valid = block_labels(cache, i, picked, block)
             match = (drafts == label_ids[..., 0]) & (valid > 0)

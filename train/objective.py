@@ -10,8 +10,7 @@ first pass's drafts (the argmax at each position, as the runtime drafts them) in
 position k then sees the drafts before it, which are right whenever a verify reaches k.
 
 A copy-aware drafter (`fit --copy`) also reads, on each masked row, the token prompt lookup copies there
-from the text up to the anchor (copy_candidates; see DFlashDrafter.block_input), as the runtime gives it;
-a corpus-aware one (`fit --copy-corpus`) the `suffix` drafter's copy (lookup, else a corpus of answers).
+from the text up to the anchor (copy_candidates; see DFlashDrafter.block_input), as the runtime gives it.
 """
 
 from __future__ import annotations
@@ -49,30 +48,28 @@ def _rotate(x, cos, sin):
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
-def copy_candidates(tokens, anchors, block: int, corpus=None, vocab_size: int = 0):
+def copy_candidates(tokens, anchors, block: int):
     """[n_blocks, B] what prompt lookup copies into each block (-1 where nothing): the tokens after
     the latest earlier match of the last n-gram of the text up to the anchor, on rows 1.., as the
-    runtime's DFlash drafter feeds a copy-aware drafter.  With a `corpus` (a SuffixIndex), the
-    runtime's copy_draft instead: where lookup matches under 2 tokens, the corpus's continuation,
-    each such id + `vocab_size` (how a corpus-aware drafter tells a corpus copy)."""
+    runtime's DFlash drafter feeds a copy-aware drafter."""
     import torch
 
-    from dflash.runtime.drafters import copy_draft, lookup_draft
+    from dflash.runtime.drafters import lookup_draft
 
     text = tokens.tolist()
     ids = torch.full((len(anchors), block), -1, dtype=torch.long)
     for n, a in enumerate(anchors):
-        copied, from_corpus = copy_draft(lookup_draft, text[: a + 1], block - 1, corpus)
-        ids[n, 1 : 1 + len(copied)] = torch.tensor(copied, dtype=torch.long) + (vocab_size if from_corpus else 0)
+        copied = lookup_draft(text[: a + 1], block - 1)[0]
+        ids[n, 1 : 1 + len(copied)] = torch.tensor(copied, dtype=torch.long)
     return ids
 
 
 def block_logits(drafter, features, tokens, anchors, embed, lm_head, cos, sin, filled=None, rows=None,
-                 copy_ids=None, corpus=None):
+                 copy_ids=None):
     """Logits [n_blocks, B-1, V'] of every block for one sequence (plain torch, differentiable).
     `filled` [n_blocks, B-1] (target token ids): a refining pass, whose block rows 1..B-1 hold a
     first pass's drafts instead of the mask token.  `copy_ids` [n_blocks, B]: a copy-aware drafter's
-    lookup copies (copy_candidates, from `corpus` too for a corpus-aware one; computed here when not given).  `rows` [n_blocks, B-1] (bool): only those
+    lookup copies (copy_candidates; computed here when not given).  `rows` [n_blocks, B-1] (bool): only those
     positions' logits [m, V'] (the head over the draft vocabulary is over half a step's work, and
     most positions of a block carry no label; see labelled_rows)."""
     import torch
@@ -85,7 +82,7 @@ def block_logits(drafter, features, tokens, anchors, embed, lm_head, cos, sin, f
     if filled is not None:
         block_ids[:, 1:] = filled
     if c.copy and copy_ids is None:
-        copy_ids = copy_candidates(tokens, anchors, b, corpus if c.copy_corpus else None, c.vocab_size)
+        copy_ids = copy_candidates(tokens, anchors, b)
     x = drafter.block_input(block_ids, copy_ids, embed).view(len(anchors) * b, -1)
     block_pos = (torch.tensor(anchors)[:, None] + torch.arange(b)[None, :]).view(-1)
     positions = torch.cat([torch.arange(length), block_pos])
