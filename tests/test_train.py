@@ -336,6 +336,17 @@ def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     with pytest.raises(ValueError, match="another shape"):  # fewer layers than the source cannot be grown
         train(source, manifest, [tmp_path / "data"], tmp_path / "other", tmp_path / "cache", max_steps=1,
               init_from=tmp_path / "deeper", **options)
+    # a wider MLP grown from it: the new units' outputs start at zero, so the same logits again
+    train(source, manifest, [tmp_path / "data"], tmp_path / "wider", tmp_path / "cache", max_steps=0,
+          init_from=tmp_path / "drafter", intermediate=2 * c.intermediate_size, **options)
+    wide = DFlashDrafter.load(tmp_path / "wider")
+    assert wide.config.intermediate_size == 2 * c.intermediate_size
+    assert wide.layers[0].mlp.gate_proj.weight[c.intermediate_size:].any()  # new units read the input
+    assert torch.allclose(logits[0], block_logits(wide, features, tokens, [2, 5], embed, lm_head, cos, sin),
+                          atol=1e-5)
+    with pytest.raises(ValueError, match="intermediate_size"):  # nor a narrower MLP
+        train(source, manifest, [tmp_path / "data"], tmp_path / "other", tmp_path / "cache", max_steps=1,
+              init_from=tmp_path / "wider", **options)
 
     from dflash.export.cli import export_eagle3
     from dflash.train import eagle3

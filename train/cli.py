@@ -113,6 +113,8 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
 @click.option("--taps", "head_taps", help="eagle3: the three target layers (outputs) it reads; default: the "
               "bundle's taps nearest EAGLE-3's low, middle and high layers")
 @click.option("--layers", default=1, show_default=True)
+@click.option("--intermediate", type=int, help="dflash: the MLP's width (default: the target's); --init from a "
+              "narrower drafter grows it (the new units start reading nothing)")
 @click.option("--block", default=16, show_default=True)
 @click.option("--draft-vocab", type=int, help="restrict outputs to the N most frequent answer tokens of the data "
               "(a --resume keeps the fit's own; the label cache serves any N)")
@@ -154,8 +156,8 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
 @click.option("--copy", is_flag=True,
               help="dflash: a copy-aware drafter, which also reads what prompt lookup copies into the block "
                    "(see DFlashDrafter.block_input); --init from a plain drafter starts its copy weights at zero")
-def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft_vocab, minutes, anchors, lr,
-        mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype, int4_data_dirs,
+def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, intermediate, block, draft_vocab, minutes,
+        anchors, lr, mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype, int4_data_dirs,
         int4_share, int4_bundle, refine, copy, from_round):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
     (see dflash/train/fit.py and eagle3.py)."""
@@ -185,9 +187,10 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
 
         if greedy_only:
             raise click.ClickException("--greedy-only is for --arch dflash (an EAGLE-3 head drafts one token a step)")
-        if target_dtype != "fp32" or int4_data_dirs or int4_bundle or refine or copy or any(from_round):
-            raise click.ClickException("--target-dtype, --int4-data, --int4-bundle, --refine, --copy and --from-round "
-                                       "are for --arch dflash; drop them for --arch eagle3")
+        if (target_dtype != "fp32" or int4_data_dirs or int4_bundle or refine or copy or any(from_round)
+                or intermediate):
+            raise click.ClickException("--target-dtype, --int4-data, --int4-bundle, --refine, --copy, --from-round "
+                                       "and --intermediate are for --arch dflash; drop them for --arch eagle3")
 
         taps = [int(t) for t in head_taps.split(",")] if head_taps else None
         eagle3.train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", taps=taps,
@@ -199,7 +202,7 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, block, draft
           seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
           target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, int4_share=int4_share,
           int4_bundle=int4_bundle, refine=refine, copy=copy, from_round=list(from_round) or 0,
-          echo=lambda m: click.echo(m, err=True))
+          intermediate=intermediate, echo=lambda m: click.echo(m, err=True))
 
 
 @main.command("eval")

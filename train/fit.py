@@ -281,7 +281,8 @@ def held_out_split(n: int, start: int = 0) -> tuple[list[int], list[int]]:
 def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, block=16, draft_vocab=None,
           minutes=30.0, anchors=32, lr=6e-4, mask_token_id=0, seed=0, resume=False, max_steps=None,
           text_tokens=0, init_from=None, greedy_only=False, target_dtype="fp32", int4_data_dirs=(),
-          int4_share=None, int4_bundle=None, refine=False, copy=False, from_round=0, echo=print) -> dict:
+          int4_share=None, int4_bundle=None, refine=False, copy=False, from_round=0, intermediate=None,
+          echo=print) -> dict:
     """Fit a drafter; checkpoints (resumable) and the z-lab-layout drafter folder in `out`.
     `init_from`: a drafter folder to start from (a warm start, fresh optimizer; see warm_start);
     `greedy_only`: learn only labels on the target's greedy path (see greedy_path);
@@ -297,7 +298,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     `copy`: a copy-aware drafter (DFlashDrafter.block_input); its copy weights, new, learn at COPY_LR_SCALE
     times the rate;
     `from_round`: train on rounds N on only, one N for every folder or a list of one per folder
-    (data_dirs, then int4_data_dirs)."""
+    (data_dirs, then int4_data_dirs);
+    `intermediate`: the MLP's width (default: the target's); a warm start may grow it (see warm_start)."""
     import torch
 
     from dflash.export.dflash import DFlashConfig, DFlashDrafter
@@ -342,7 +344,8 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     # data (a wide gap: it memorizes) or a larger drafter (none) would help
     seen_ids = [i for pool in pools for i in pool if rows[i]["kind"] != "text"]
     seen_ids = random.Random(seed + 1).sample(seen_ids, min(64, len(seen_ids)))
-    config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id, refine, copy))
+    config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id, refine, copy,
+                                                 intermediate))
     drafter = DFlashDrafter(config)
     _init(drafter, seed)
     if init_from and not resume:
@@ -442,25 +445,35 @@ def saved_vocabulary(folder: Path, size: int):
 def warm_start(drafter, folder, echo) -> None:
     """Copy the weights of the drafter in `folder`: the same shape, or fewer layers (a deeper
     drafter grown from it: the layers it lacks start as the identity, their output projections
-    zero, so training starts from exactly the drafts of the one in `folder`), or a plain one into a
-    copy-aware one (its copy weights start at zero: the same drafts, until trained)."""
+    zero, so training starts from exactly the drafts of the one in `folder`), or a narrower MLP (a
+    wider one grown from it: the new units keep their random input weights and get zero output
+    weights, the same drafts again), or a plain one into a copy-aware one (its copy weights start at
+    zero: the same drafts, until trained)."""
     import torch
 
     from dflash.export.dflash import DFlashDrafter
 
     source = DFlashDrafter.load(folder)
-    keys = ("hidden_size", "block_size", "intermediate_size", "target_layer_ids")
+    keys = ("hidden_size", "block_size", "target_layer_ids")
     differ = [k for k in keys if getattr(drafter.config, k) != getattr(source.config, k)]
     if source.config.layers > drafter.config.layers:
         differ.append("layers")
+    if source.config.intermediate_size > drafter.config.intermediate_size:
+        differ.append("intermediate_size")
     if source.config.copy and not drafter.config.copy:
         differ.append("copy")
     if differ:
         raise ValueError(f"--init {folder} has another shape ({', '.join(differ)} differ): give the same "
-                         "--block (and --layers at least its layers, --copy if it has it), or drop --init")
-    missing, _ = drafter.load_state_dict(source.state_dict(), strict=False)
-    assert all(k.startswith(("layers.", "copy_")) for k in missing), missing
+                         "--block (and --layers and --intermediate at least its own, --copy if it has it), "
+                         "or drop --init")
+    own = drafter.state_dict()
     with torch.no_grad():
+        for name, weights in source.state_dict().items():
+            if name.endswith("mlp.down_proj.weight"):  # [hidden, intermediate]: the new columns read nothing
+                own[name].zero_()
+            own[name][tuple(slice(0, n) for n in weights.shape)] = weights
+        missing = [name for name in own if name not in source.state_dict()]
+        assert all(k.startswith(("layers.", "copy_")) for k in missing), missing
         for name, p in drafter.named_parameters():
             if name in missing and name.startswith("copy_"):
                 p.zero_()
@@ -470,7 +483,9 @@ def warm_start(drafter, folder, echo) -> None:
                 if projection.bias is not None:
                     projection.bias.zero_()
     grown = drafter.config.layers - source.config.layers
+    wider = drafter.config.intermediate_size - source.config.intermediate_size
     echo(f"started from the weights in {folder}" + (f", {grown} more layer(s) as the identity" if grown else "")
+         + (f", {wider} more MLP units reading nothing yet" if wider else "")
          + (", its copy weights at zero" if drafter.config.copy and not source.config.copy else ""))
 
 
@@ -533,12 +548,12 @@ def native_bf16() -> bool:
 
 
 def _zlab_config(tc, manifest: dict, layers: int, block: int, mask_token_id: int, refine: bool = False,
-                 copy: bool = False) -> dict:
+                 copy: bool = False, intermediate: int | None = None) -> dict:
     head_dim = getattr(tc, "head_dim", None) or tc.hidden_size // tc.num_attention_heads
     return {"architectures": ["DFlashDraftModel"], "model_type": "qwen3", "hidden_size": tc.hidden_size,
             "num_hidden_layers": layers, "num_attention_heads": tc.num_attention_heads,
             "num_key_value_heads": tc.num_key_value_heads, "head_dim": head_dim,
-            "intermediate_size": tc.intermediate_size, "rms_norm_eps": tc.rms_norm_eps,
+            "intermediate_size": intermediate or tc.intermediate_size, "rms_norm_eps": tc.rms_norm_eps,
             "rope_theta": getattr(tc, "rope_theta", None) or (getattr(tc, "rope_parameters", None) or {}).get(
                 "rope_theta", 10000.0),
             "max_position_embeddings": tc.max_position_embeddings, "vocab_size": tc.vocab_size,
