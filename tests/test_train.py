@@ -215,6 +215,48 @@ def small_rounds(monkeypatch):
     monkeypatch.setattr(data, "MAGPIE_CANDIDATES", 6)
 
 
+def test_data_answers_a_prompt_file_round_by_round_until_it_is_used_up(tmp_path, monkeypatch):
+    import json
+
+    from tiny_models import save_model_folder
+
+    from dflash.export import sources
+    from dflash.train import data, shards
+    from dflash.train.data import Target, read_requests, run
+
+    monkeypatch.setattr(data, "BATCH", 2)
+    chat = [{"role": "user", "content": "Name a river."}, {"role": "assistant", "content": "The Nile."},
+            {"role": "user", "content": "And a longer one?"}]
+    lines = [{"prompt": "Say hello."}, {"messages": chat, "kind": "followup"}, {"prompt": "Count to five."}]
+    path = tmp_path / "mine.jsonl"
+    path.write_text("\n".join(json.dumps(line) for line in lines) + "\n\n")
+    requests = read_requests(path)
+    assert [r["kind"] for r in requests] == ["chat", "followup", "chat"] and requests[1]["messages"] == chat
+    target = Target(sources.load(str(save_model_folder("qwen3", tmp_path / "hf", layers=2))))
+    said = []
+    run(target, tmp_path / "data", answer_tokens=10**6, max_new_tokens=8, echo=said.append, prefix="pr",
+        requests=requests)
+    rows = shards.read_all(tmp_path / "data")
+    assert len(list((tmp_path / "data").glob("shard-*.npz"))) == 2 and "used up" in said[-1]
+    assert [r["messages"] for r in rows] == [r["messages"] for r in requests]
+    assert {r["source"] for r in rows} == {"file"} and all(r["id"].startswith("pr") for r in rows)
+    assert all(r["answer"] and len(r["greedy"]) == len(r["answer"]) for r in rows)
+    run(target, tmp_path / "data", answer_tokens=10**6, max_new_tokens=8, echo=said.append, prefix="pr",
+        requests=requests)  # resumed: nothing left to answer
+    assert len(shards.read_all(tmp_path / "data")) == 3
+    from dflash.train.fit import load_sequences
+
+    assert [r["prompt"] for r in load_sequences([tmp_path / "data"], target)] == [
+        target.encode(target.render(r["messages"])) for r in requests]  # what a fit trains on
+    for bad, problem in [("not json", "is not JSON"), ('{"text": "hi"}', "a user turn last"),
+                         ('{"messages": [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]}',
+                          "a user turn last"), ("", "holds no requests")]:
+        path.write_text(bad + "\n")
+        with pytest.raises(ValueError, match=problem) as error:
+            read_requests(path)
+        assert bad == "" or "line 1" in str(error.value)
+
+
 def test_data_fit_resume_export_and_decode(tmp_path, small_rounds):
     from tiny_models import save_model_folder
 

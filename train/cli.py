@@ -60,13 +60,22 @@ def load_target(bundle):
 @click.option("--temperature", default=DEFAULT_TEMPERATURE, show_default=True, type=click.FloatRange(min=0),
               help="of the answers (top-p 0.95); 0: the target's greedy answers, the text the runtime drafts after "
                    "(a folder resumes only at the temperature it was started with)")
+@click.option("--prompts", "prompt_file", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="answer your own requests instead of a recipe's: JSON lines of {\"prompt\": ...} or "
+                   "{\"messages\": [...]} (e.g. your users' traffic); the job ends when they are answered; its row "
+                   "ids start with p")
 def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype, engine, batch, id_prefix, recipe,
-         temperature):
-    """The target's own sampled answers to self-written, template, grounded and follow-up requests,
-    in resumable shards (see dflash/train/data.py)."""
+         temperature, prompt_file):
+    """The target's own sampled answers to self-written, template, grounded and follow-up requests
+    (or to a prompt file's), in resumable shards (see dflash/train/data.py)."""
     import torch
 
-    from .data import Target, run
+    from .data import Target, read_requests, run
+
+    try:
+        requests = read_requests(prompt_file) if prompt_file else None
+    except ValueError as e:
+        raise click.ClickException(str(e))
 
     if threads:
         torch.set_num_threads(threads)
@@ -91,12 +100,14 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
         from .int4_target import emulate_int4
 
         emulate_int4(source.model)
-    if recipe == "2":
+    if requests is not None:
+        prefix = "p" + prefix
+    elif recipe == "2":
         prefix = "v2" + prefix
     try:
         run(Target(source, sampler), out, answer_tokens, seed, max_new_tokens,
             echo=lambda m: click.echo(m, err=True), prefix=id_prefix or prefix, recipe=int(recipe),
-            temperature=temperature)
+            temperature=temperature, requests=requests)
     except ValueError as e:
         raise click.ClickException(str(e))
 

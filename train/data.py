@@ -9,11 +9,14 @@ with its argmax recorded at every position.  A round's random choices depend onl
 
 Recipe 1 is the mix above with prompts.py's templates; recipe 2 (varied.py) spreads the
 templates over many more kinds of request, adds passages the target writes and is then
-asked to rewrite, and follows conversations up to three user turns deep.
+asked to rewrite, and follows conversations up to three user turns deep.  With a prompt file
+(`requests`: a user's own traffic, the way published drafters learn from real conversations)
+each round answers the file's next BATCH requests instead, and the job ends with the file.
 """
 
 from __future__ import annotations
 
+import json
 import random
 import time
 from pathlib import Path
@@ -139,11 +142,51 @@ def plan_round(target: Target, rnd: int, seed: int, seen: set, previous: list[di
     return rows
 
 
+ROLES = ("system", "user", "assistant")  # of a prompt file's messages
+
+
+def read_requests(path: Path) -> list[dict]:
+    """A prompt file: JSON lines, each {"messages": [{"role", "content"}, ...]} ending in a user turn
+    (earlier turns are kept as written) or {"prompt": "..."}; an optional "kind" labels it."""
+    requests = []
+    for number, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        where = f"{path}, line {number}"
+        try:
+            item = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{where} is not JSON ({e.msg}): write one JSON object per line") from None
+        messages = item.get("messages") if isinstance(item, dict) else None
+        if isinstance(item, dict) and isinstance(item.get("prompt"), str) and messages is None:
+            messages = [{"role": "user", "content": item["prompt"]}]
+        if (not isinstance(messages, list) or not messages or not all(
+                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role") in ROLES for m in messages)
+                or messages[-1]["role"] != "user"):
+            raise ValueError(f"{where}: give {{\"prompt\": \"...\"}} or {{\"messages\": [...]}} with roles "
+                             f"{', '.join(ROLES)} and a user turn last")
+        requests.append({"kind": str(item.get("kind", "chat")), "messages": messages})
+    if not requests:
+        raise ValueError(f"{path} holds no requests: write one JSON object per line")
+    return requests
+
+
+def file_round(requests: list[dict], rnd: int, prefix: str) -> list[dict]:
+    """Round `rnd` of a prompt file: its requests rnd*BATCH on (none once the file is used up)."""
+    rows = [{"kind": r["kind"], "source": "file", "messages": r["messages"]}
+            for r in requests[rnd * BATCH:(rnd + 1) * BATCH]]
+    for i, row in enumerate(rows):
+        row["id"] = f"{round_id(prefix, rnd)}{i:02d}"
+    return rows
+
+
 def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_tokens: int = 320,
-        echo=print, prefix: str = "r", recipe: int = 1, temperature: float = DEFAULT_TEMPERATURE) -> None:
+        echo=print, prefix: str = "r", recipe: int = 1, temperature: float = DEFAULT_TEMPERATURE,
+        requests: list[dict] | None = None) -> None:
     """Add rounds to `out` until its answers hold `answer_tokens` tokens. `prefix` starts every row
     id, so folders answered by different targets (fp32, int4) or recipes can be fitted together.
-    `temperature` of the answers (top-p 0.95); 0 answers greedily."""
+    `temperature` of the answers (top-p 0.95); 0 answers greedily.  `requests` (read_requests):
+    answer these, BATCH a round, instead of the recipe's, until they are used up."""
     out.mkdir(parents=True, exist_ok=True)
     done = shards.read_all(out)
     if done and not done[0]["id"].startswith(round_id(prefix, 0)):  # shards are read in round order
@@ -160,7 +203,13 @@ def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_to
     previous = [r for r in done if r["id"].startswith(round_id(prefix, rnd - 1))]
     start, made = time.perf_counter(), 0
     while total < answer_tokens:
-        rows = plan_round(target, rnd, seed, seen, previous, prefix, recipe)
+        if requests is None:
+            rows = plan_round(target, rnd, seed, seen, previous, prefix, recipe)
+        else:
+            rows = file_round(requests, rnd, prefix)
+            if not rows:
+                echo(f"the prompt file is used up: {len(requests)} requests answered, {total} answer tokens")
+                return
         prompts_ids = [target.encode(target.render(shards.messages(r, by_id, target.decode))) for r in rows]
         for row, s in zip(rows, target.sample(prompts_ids, max_new_tokens, temperature=temperature, top_p=0.95,
                                               seed=seed * 100003 + rnd + 50000)):
