@@ -202,6 +202,7 @@ def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_to
     rnd = len(list(out.glob("shard-*.npz")))
     previous = [r for r in done if r["id"].startswith(round_id(prefix, rnd - 1))]
     start, made = time.perf_counter(), 0
+    started_with = min(rnd * BATCH, len(requests)) if requests is not None else 0  # requests answered before
     while total < answer_tokens:
         if requests is None:
             rows = plan_round(target, rnd, seed, seen, previous, prefix, recipe)
@@ -220,6 +221,10 @@ def run(target: Target, out: Path, answer_tokens: int, seed: int = 0, max_new_to
         added = sum(len(r["answer"]) for r in rows)
         total, made = total + added, made + added
         rate = made / (time.perf_counter() - start)
+        left = (answer_tokens - total) / max(rate, 1e-9)
+        if requests is not None:  # the file ends the job first if its answers fall short of the tokens
+            answered = min(rnd * BATCH, len(requests))
+            per_request = (time.perf_counter() - start) / max(1, answered - started_with)
+            left = min(left, (len(requests) - answered) * per_request)
         echo(f"round {rnd}: {len(rows)} answers ({sum(r['source'] == 'magpie' for r in rows)} self-written requests), "
-             f"{total} answer tokens of {answer_tokens}, {rate:.0f} tok/s, "
-             f"ETA {(answer_tokens - total) / max(rate, 1e-9) / 60:.0f} min")
+             f"{total} answer tokens of {answer_tokens}, {rate:.0f} tok/s, ETA {left / 60:.0f} min")
