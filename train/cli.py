@@ -168,8 +168,8 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
               help="dflash: a copy-aware drafter, which also reads what prompt lookup copies into the block "
                    "(see DFlashDrafter.block_input); --init from a plain drafter starts its copy weights at zero")
 def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, intermediate, block, draft_vocab, minutes,
-        anchors, lr, mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype, int4_data_dirs,
-        int4_share, int4_bundle, refine, copy, from_round):
+        anchors, lr, mask_token_id, text_tokens, threads, seed, resume, init_from, greedy_only, target_dtype,
+        int4_data_dirs, int4_share, int4_bundle, refine, copy, from_round):
     """Fit a DFlash drafter (or an EAGLE-3 head) with soft labels; checkpoints and a plot in OUT
     (see dflash/train/fit.py and eagle3.py)."""
     import torch
