@@ -208,12 +208,15 @@ def fit(bundle, data_dirs, out, cache_dir, arch, head_taps, layers, intermediate
                      draft_vocab=draft_vocab or 8192, minutes=minutes, lr=min(lr, 3e-4), seed=seed, resume=resume,
                      text_tokens=text_tokens, init_from=init_from, echo=lambda m: click.echo(m, err=True))
         return
-    train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
-          draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
-          seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
-          target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, int4_share=int4_share,
-          int4_bundle=int4_bundle, refine=refine, copy=copy, from_round=list(from_round) or 0,
-          intermediate=intermediate, echo=lambda m: click.echo(m, err=True))
+    try:
+        train(source, manifest, data_dirs, out, cache_dir or Path(out) / "cache", layers=layers, block=block,
+              draft_vocab=draft_vocab, minutes=minutes, anchors=anchors, lr=lr, mask_token_id=mask_token_id,
+              seed=seed, resume=resume, text_tokens=text_tokens, init_from=init_from, greedy_only=greedy_only,
+              target_dtype=target_dtype, int4_data_dirs=int4_data_dirs, int4_share=int4_share,
+              int4_bundle=int4_bundle, refine=refine, copy=copy, from_round=list(from_round) or 0,
+              intermediate=intermediate, echo=lambda m: click.echo(m, err=True))
+    except ValueError as e:  # a bad --init (another shape): what to change
+        raise click.ClickException(str(e))
 
 
 @main.command("eval")
