@@ -318,6 +318,13 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     starts = first_rounds(from_round, len(data_dirs) + len(int4_data_dirs))  # data_dirs, then int4_data_dirs
     rows = text_sequences(tokenizer, text_tokens, seed) + load_sequences(data_dirs, tokenizer, starts[:len(data_dirs)])
     tc = target.config
+    # the drafter first: a --init of another shape is refused before any labelling (which can take an hour)
+    config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id, refine, copy,
+                                                 intermediate))
+    drafter = DFlashDrafter(config)
+    _init(drafter, seed)
+    if init_from and not resume:
+        warm_start(drafter, init_from, echo)
     d2t = None
     if draft_vocab:
         # a resumed fit keeps its vocabulary; any other takes this data's most frequent tokens (a
@@ -344,12 +351,6 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     # data (a wide gap: it memorizes) or a larger drafter (none) would help
     seen_ids = [i for pool in pools for i in pool if rows[i]["kind"] != "text"]
     seen_ids = random.Random(seed + 1).sample(seen_ids, min(64, len(seen_ids)))
-    config = DFlashConfig.from_dict(_zlab_config(tc, manifest, layers, block, mask_token_id, refine, copy,
-                                                 intermediate))
-    drafter = DFlashDrafter(config)
-    _init(drafter, seed)
-    if init_from and not resume:
-        warm_start(drafter, init_from, echo)
     embed = target.get_input_embeddings().weight.detach().float()
     lm_head = target.lm_head.weight.detach().float().t().contiguous()
     if d2t is not None:
