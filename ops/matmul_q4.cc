@@ -3,13 +3,14 @@
 // invariance and the op itself are shared with MatMulQ8 (quantized_matmul.h); this file holds the
 // 4-bit weight layout and its tile paths.
 //
-// Weights: W[k][n] ~= (u - 8) * scale, u in 0..15; weight is uint8 [T, K/32, 256]. In tile t,
+// Weights: W[k][n] ~= (u - 8) * scale, u in 0..15, or with offsets (asymmetric, GGUF Q4_1 / Q4_K kept
+// exactly) W[k][n] = u * scale + offset; weight is uint8 [T, K/32, 256]. In tile t,
 // block b, byte 64*c4 + 4*c + i (c4 in 0..3, column c = n - 16t in 0..15, i in 0..3) holds u for
 // k = 32b + 4*c4 + i in its low nibble and for k = 32b + 16 + 4*c4 + i in its high nibble. Four
 // consecutive k of one column sit in one 32-bit lane, which is what a VNNI dot product consumes.
 //
-// A block's dot is sum(q * u) - 8 * sum(q), exact in int32. The three paths (AVX-512 VNNI,
-// AVX2+FMA, portable) give the same bits.
+// A block's dot is sum(q * u) - 8 * sum(q) (asymmetric: sum(q * u)), exact in int32. The three
+// paths (AVX-512 VNNI, AVX2+FMA, portable) give the same bits.
 
 #include <cmath>
 
@@ -49,6 +50,7 @@ void tile_portable(const Job& job, int64_t t) {
         for (int64_t k = 0; k < kBlock; ++k) dot += q[k] * nibble(tb, k, c);
         const float s = sa * sb[c];
         acc[c] = std::fma(static_cast<float>(dot), s, acc[c]);
+        if (job.offsets) acc[c] = std::fma(job.tile_offsets(t, b)[c], qa.total[m * KB + b], acc[c]);
       }
     }
     std::memcpy(job.y + m * job.N + t * kTile, acc, static_cast<size_t>(job.width(t)) * sizeof(float));
@@ -58,15 +60,17 @@ void tile_portable(const Job& job, int64_t t) {
 #ifdef DFLASH_QMM_X86
 // R rows (1..8) of one tile. Per block: each of the four 64-byte loads gives two registers of
 // unpacked weights (low and high nibbles) that every row uses at once; each row sums its exact
-// int32 dot for the block, then takes the same float step as tile_portable. Registers: R chains,
-// R float accumulators and a few for the weights, within the 32 of AVX-512.
-template <int R>
+// int32 dot for the block, then takes the same float step as tile_portable (Asym: and the offset
+// step). Registers: R chains, R float accumulators and a few for the weights, within the 32 of
+// AVX-512.
+template <int R, bool Asym>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(const Job& job, int64_t t,
                                                                                int64_t m0) {
   const int64_t K = job.K, KB = K / kBlock;
   const int8_t* q = job.rows->q.data() + m0 * K;
   const float* sa = job.rows->scale.data() + m0 * KB;
   const int32_t* offset = job.rows->offset.data() + m0 * KB;
+  const float* total = job.rows->total.data() + m0 * KB;
   // One dot chain per row is eight dependent VNNI steps; with few rows, two chains per row keep
   // enough independent work in flight to hide their latency (integer sums: the order is free).
   constexpr int kChains = R < 4 ? 2 : 1;
@@ -98,22 +102,27 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(con
       const __m512i d = kChains == 2 ? _mm512_add_epi32(dot[r][0], dot[r][1]) : dot[r][0];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[r]);
     }
+    if (Asym) {
+      const __m512 ob = _mm512_loadu_ps(job.tile_offsets(t, b));
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(ob, _mm512_set1_ps(total[r * KB + b]), acc[r]);
+    }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << job.width(t)) - 1u);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(job.y + (m0 + r) * job.N + t * kTile, keep, acc[r]);
 }
 
 constexpr int kRowsAvx512 = 8;
-const RowsFn rows_avx512[kRowsAvx512 + 1] = {nullptr,
-                                             tile_rows_avx512<1>,
-                                             tile_rows_avx512<2>,
-                                             tile_rows_avx512<3>,
-                                             tile_rows_avx512<4>,
-                                             tile_rows_avx512<5>,
-                                             tile_rows_avx512<6>,
-                                             tile_rows_avx512<7>,
-                                             tile_rows_avx512<8>};
-void tile_avx512(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx512>(job, t, rows_avx512); }
+// [asymmetric][rows]
+const RowsFn rows_avx512[2][kRowsAvx512 + 1] = {
+    {nullptr, tile_rows_avx512<1, false>, tile_rows_avx512<2, false>, tile_rows_avx512<3, false>,
+     tile_rows_avx512<4, false>, tile_rows_avx512<5, false>, tile_rows_avx512<6, false>, tile_rows_avx512<7, false>,
+     tile_rows_avx512<8, false>},
+    {nullptr, tile_rows_avx512<1, true>, tile_rows_avx512<2, true>, tile_rows_avx512<3, true>,
+     tile_rows_avx512<4, true>, tile_rows_avx512<5, true>, tile_rows_avx512<6, true>, tile_rows_avx512<7, true>,
+     tile_rows_avx512<8, true>}};
+void tile_avx512(const Job& job, int64_t t) {
+  tile_in_row_groups<kRowsAvx512>(job, t, rows_avx512[job.offsets != nullptr]);
+}
 
 // AVX2 (no VNNI): u8 x s8 products summed in pairs by maddubs; 8 groups of 4 sum to at most
 // 8 * 2 * 15 * 127 = 30480 per 16-bit lane, so the integer dot is exact, and the float part is the
@@ -122,12 +131,13 @@ void tile_avx512(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx512>(jo
 // the unpacked weights of both halves take the 16 registers, and the float accumulators live in
 // memory (one load and store per block and row; single-thread, weights in L2: 64 -> 85 GMAC/s at
 // one row, 101 -> 119 at four, against a pass per half).
-template <int R>
+template <int R, bool Asym>
 __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t t, int64_t m0) {
   const int64_t K = job.K, KB = K / kBlock;
   const int8_t* q = job.rows->q.data() + m0 * K;
   const float* sa = job.rows->scale.data() + m0 * KB;
   const int32_t* offset = job.rows->offset.data() + m0 * KB;
+  const float* total = job.rows->total.data() + m0 * KB;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1);
   alignas(32) float acc[R][16] = {};
   for (int64_t b = 0; b < KB; ++b) {
@@ -158,7 +168,10 @@ __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t 
       for (int h = 0; h < 2; ++h) {
         const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs[r][h], ones), zero_point);
         const __m256 s = _mm256_mul_ps(sar, _mm256_loadu_ps(sbp + 8 * h));
-        _mm256_store_ps(acc[r] + 8 * h, _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, _mm256_load_ps(acc[r] + 8 * h)));
+        __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, _mm256_load_ps(acc[r] + 8 * h));
+        if (Asym)
+          sum = _mm256_fmadd_ps(_mm256_loadu_ps(job.tile_offsets(t, b) + 8 * h), _mm256_set1_ps(total[r * KB + b]), sum);
+        _mm256_store_ps(acc[r] + 8 * h, sum);
       }
     }
   }
@@ -168,9 +181,10 @@ __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t 
 }
 
 constexpr int kRowsAvx2 = 4;
-const RowsFn rows_avx2[kRowsAvx2 + 1] = {nullptr, tile_rows_avx2<1>, tile_rows_avx2<2>, tile_rows_avx2<3>,
-                                         tile_rows_avx2<4>};
-void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t, rows_avx2); }
+const RowsFn rows_avx2[2][kRowsAvx2 + 1] = {
+    {nullptr, tile_rows_avx2<1, false>, tile_rows_avx2<2, false>, tile_rows_avx2<3, false>, tile_rows_avx2<4, false>},
+    {nullptr, tile_rows_avx2<1, true>, tile_rows_avx2<2, true>, tile_rows_avx2<3, true>, tile_rows_avx2<4, true>}};
+void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t, rows_avx2[job.offsets != nullptr]); }
 #endif
 
 }  // namespace

@@ -4,7 +4,8 @@
 // int8 target needs no padding row (which ORT's MatMulNBits does); this file holds the 8-bit
 // weight layout and its tile paths.
 //
-// Weights: W[k][n] ~= (u - 128) * scale, u in 0..255; weight is uint8 [T, K/32, 512]. In tile t,
+// Weights: W[k][n] ~= (u - 128) * scale, u in 0..255, or with offsets (asymmetric, GGUF Q5_1 / Q5_K
+// kept exactly) W[k][n] = u * scale + offset; weight is uint8 [T, K/32, 512]. In tile t,
 // block b, byte 64*g + 4*c + i (g in 0..7, column c = n - 16t in 0..15, i in 0..3) holds u for
 // k = 32b + 4*g + i: four consecutive k of one column sit in one 32-bit lane, which is what a VNNI
 // dot product consumes.
@@ -42,6 +43,7 @@ void tile_portable(const Job& job, int64_t t) {
         int32_t dot = qa.offset[m * KB + b];
         for (int64_t k = 0; k < kBlock; ++k) dot += q[k] * tb[64 * (k / 4) + 4 * c + k % 4];
         acc[c] = std::fma(static_cast<float>(dot), sa * sb[c], acc[c]);
+        if (job.offsets) acc[c] = std::fma(job.tile_offsets(t, b)[c], qa.total[m * KB + b], acc[c]);
       }
     }
     std::memcpy(job.y + m * job.N + t * kTile, acc, static_cast<size_t>(job.width(t)) * sizeof(float));
@@ -51,13 +53,15 @@ void tile_portable(const Job& job, int64_t t) {
 #ifdef DFLASH_QMM_X86
 // R rows (1..8) of one tile: each 64-byte load of weights (k = 4g..4g+3 of the block, 16 columns)
 // feeds one VNNI dot product per row, started at the row's -128 * sum(q); then the same float step
-// as tile_portable. Registers: R dots and R float accumulators, within the 32 of AVX-512.
-template <int R>
+// as tile_portable (Asym: and the offset step). Registers: R dots and R float accumulators, within
+// the 32 of AVX-512.
+template <int R, bool Asym>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const Job& job, int64_t t, int64_t m0) {
   const int64_t K = job.K, KB = K / kBlock;
   const int8_t* q = job.rows->q.data() + m0 * K;
   const float* sa = job.rows->scale.data() + m0 * KB;
   const int32_t* offset = job.rows->offset.data() + m0 * KB;
+  const float* total = job.rows->total.data() + m0 * KB;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < KB; ++b) {
@@ -75,16 +79,25 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const Jo
       const __m512 s = _mm512_mul_ps(_mm512_set1_ps(sa[r * KB + b]), sb);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
     }
+    if (Asym) {
+      const __m512 ob = _mm512_loadu_ps(job.tile_offsets(t, b));
+      for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(ob, _mm512_set1_ps(total[r * KB + b]), acc[r]);
+    }
   }
   const __mmask16 keep = static_cast<__mmask16>((1u << job.width(t)) - 1u);
   for (int r = 0; r < R; ++r) _mm512_mask_storeu_ps(job.y + (m0 + r) * job.N + t * kTile, keep, acc[r]);
 }
 
 constexpr int kRowsAvx512 = 8;
-const RowsFn rows_avx512_fns[kRowsAvx512 + 1] = {nullptr,        rows_avx512<1>, rows_avx512<2>,
-                                                 rows_avx512<3>, rows_avx512<4>, rows_avx512<5>,
-                                                 rows_avx512<6>, rows_avx512<7>, rows_avx512<8>};
-void tile_avx512(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx512>(job, t, rows_avx512_fns); }
+// [asymmetric][rows]
+const RowsFn rows_avx512_fns[2][kRowsAvx512 + 1] = {
+    {nullptr, rows_avx512<1, false>, rows_avx512<2, false>, rows_avx512<3, false>, rows_avx512<4, false>,
+     rows_avx512<5, false>, rows_avx512<6, false>, rows_avx512<7, false>, rows_avx512<8, false>},
+    {nullptr, rows_avx512<1, true>, rows_avx512<2, true>, rows_avx512<3, true>, rows_avx512<4, true>,
+     rows_avx512<5, true>, rows_avx512<6, true>, rows_avx512<7, true>, rows_avx512<8, true>}};
+void tile_avx512(const Job& job, int64_t t) {
+  tile_in_row_groups<kRowsAvx512>(job, t, rows_avx512_fns[job.offsets != nullptr]);
+}
 
 // AVX2 has no VNNI, and maddubs (u8 x s8 pairs summed to int16) would saturate on 255 * 127 * 2.
 // So each weight byte is split into nibbles, u = 16 * hi + lo, and dot(q, u) = 16 * dot(q, hi) +
@@ -92,12 +105,13 @@ void tile_avx512(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx512>(jo
 // exact, as in MatMulQ4's AVX2 path. The float part is the same fma sequence: the same bits.
 // Eight columns per register, so each half of a tile runs its own pass over the blocks, R rows
 // (1..4) at a time.
-template <int R>
+template <int R, bool Asym>
 __attribute__((target("avx2,fma"))) void rows_avx2(const Job& job, int64_t t, int64_t m0) {
   const int64_t K = job.K, KB = K / kBlock;
   const int8_t* q = job.rows->q.data() + m0 * K;
   const float* sa = job.rows->scale.data() + m0 * KB;
   const int32_t* offset = job.rows->offset.data() + m0 * KB;
+  const float* total = job.rows->total.data() + m0 * KB;
   const __m256i low4 = _mm256_set1_epi8(0x0F), ones = _mm256_set1_epi16(1), sixteens = _mm256_set1_epi16(16);
   for (int half = 0; half < 2; ++half) {
     __m256 acc[R];
@@ -128,6 +142,10 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& job, int64_t t, in
         const __m256 s = _mm256_mul_ps(_mm256_set1_ps(sa[r * KB + b]), sb);
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r]);
       }
+      if (Asym) {
+        const __m256 ob = _mm256_loadu_ps(job.tile_offsets(t, b) + 8 * half);
+        for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(ob, _mm256_set1_ps(total[r * KB + b]), acc[r]);
+      }
     }
     const int64_t first = 8 * half, width = std::min<int64_t>(8, job.width(t) - first);
     for (int r = 0; r < R && width > 0; ++r) {
@@ -139,8 +157,10 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& job, int64_t t, in
 }
 
 constexpr int kRowsAvx2 = 4;
-const RowsFn rows_avx2_fns[kRowsAvx2 + 1] = {nullptr, rows_avx2<1>, rows_avx2<2>, rows_avx2<3>, rows_avx2<4>};
-void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t, rows_avx2_fns); }
+const RowsFn rows_avx2_fns[2][kRowsAvx2 + 1] = {
+    {nullptr, rows_avx2<1, false>, rows_avx2<2, false>, rows_avx2<3, false>, rows_avx2<4, false>},
+    {nullptr, rows_avx2<1, true>, rows_avx2<2, true>, rows_avx2<3, true>, rows_avx2<4, true>}};
+void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t, rows_avx2_fns[job.offsets != nullptr]); }
 #endif
 
 }  // namespace

@@ -6,24 +6,28 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 
-def q4_model(K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None):
+def q4_model(K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None, offsets=None):
     """One-node MatMulQ4 model: input "a" (shape `a_shape`; None leaves it untyped, so that bad
-    shapes reach the op), weights as initializers, output "y"."""
-    return quantized_matmul_model("MatMulQ4", K, N, packed, scales, a_shape)
+    shapes reach the op), weights (and, asymmetric, offsets) as initializers, output "y"."""
+    return quantized_matmul_model("MatMulQ4", K, N, packed, scales, a_shape, offsets)
 
 
-def q8_model(K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None):
+def q8_model(K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None, offsets=None):
     """One-node MatMulQ8 model, as q4_model."""
-    return quantized_matmul_model("MatMulQ8", K, N, packed, scales, a_shape)
+    return quantized_matmul_model("MatMulQ8", K, N, packed, scales, a_shape, offsets)
 
 
-def quantized_matmul_model(op: str, K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None):
-    node = helper.make_node(op, ["a", "weight", "scales"], ["y"], domain="ai.dflash", K=K, N=N)
+def quantized_matmul_model(op: str, K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None,
+                           offsets=None):
+    inputs = ["a", "weight", "scales"] + ([] if offsets is None else ["offsets"])
+    node = helper.make_node(op, inputs, ["y"], domain="ai.dflash", K=K, N=N)
     a_dims = None if a_shape is None else list(a_shape)
+    initializers = [numpy_helper.from_array(packed, "weight"), numpy_helper.from_array(scales, "scales")]
+    if offsets is not None:
+        initializers.append(numpy_helper.from_array(offsets, "offsets"))
     graph = helper.make_graph(
         [node], op.lower(), [helper.make_tensor_value_info("a", TensorProto.FLOAT, a_dims)],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-        [numpy_helper.from_array(packed, "weight"), numpy_helper.from_array(scales, "scales")])
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], initializers)
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("ai.dflash", 1)])
 
 

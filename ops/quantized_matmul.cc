@@ -21,11 +21,13 @@ namespace {
 // Runs of tiles a MatMul call is cut into for the pool: enough for a few threads to balance.
 constexpr int64_t kTileBatches = 16;
 
-using QuantizeFn = void (*)(const float* a, int64_t blocks, int32_t zero, int8_t* q, float* scale, int32_t* offset);
+using QuantizeFn = void (*)(const float* a, int64_t blocks, int32_t zero, int8_t* q, float* scale, int32_t* offset,
+                            float* total);
 
 // Quantize `blocks` consecutive blocks of 32 activations, with each block's zero-point term for
-// weights stored with zero point `zero` (see quantized_matmul.h).
-void quantize_portable(const float* a, int64_t blocks, int32_t zero, int8_t* q, float* scale, int32_t* offset) {
+// weights stored with zero point `zero` and its dequantized sum (see quantized_matmul.h).
+void quantize_portable(const float* a, int64_t blocks, int32_t zero, int8_t* q, float* scale, int32_t* offset,
+                       float* total) {
   for (int64_t blk = 0; blk < blocks; ++blk, a += kQBlock, q += kQBlock) {
     float amax = 0.0f;
     for (int64_t k = 0; k < kQBlock; ++k) amax = std::max(amax, std::fabs(a[k]));
@@ -38,6 +40,7 @@ void quantize_portable(const float* a, int64_t blocks, int32_t zero, int8_t* q, 
     }
     scale[blk] = amax / 127.0f;
     offset[blk] = -zero * s;
+    total[blk] = scale[blk] * static_cast<float>(s);
   }
 }
 
@@ -45,7 +48,8 @@ void quantize_portable(const float* a, int64_t blocks, int32_t zero, int8_t* q, 
 // The same arithmetic as quantize_portable: max and products are exact or singly rounded alike,
 // and the conversion rounds to nearest even (the default MXCSR mode); |a * inv| <= 127 needs no clamp.
 __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a, int64_t blocks, int32_t zero,
-                                                                 int8_t* q, float* scale, int32_t* offset) {
+                                                                 int8_t* q, float* scale, int32_t* offset,
+                                                                 float* total) {
   for (int64_t blk = 0; blk < blocks; ++blk, a += kQBlock, q += kQBlock) {
     const __m512 x0 = _mm512_loadu_ps(a), x1 = _mm512_loadu_ps(a + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
@@ -53,8 +57,10 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a,
     const __m512i q0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, inv)), q1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, inv));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q), _mm512_cvtepi32_epi8(q0));
     _mm_storeu_si128(reinterpret_cast<__m128i*>(q + 16), _mm512_cvtepi32_epi8(q1));
+    const int32_t s = _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
     scale[blk] = amax / 127.0f;
-    offset[blk] = -zero * _mm512_reduce_add_epi32(_mm512_add_epi32(q0, q1));
+    offset[blk] = -zero * s;
+    total[blk] = scale[blk] * static_cast<float>(s);
   }
 }
 
@@ -62,7 +68,7 @@ __attribute__((target("avx512f,avx512bw"))) void quantize_avx512(const float* a,
 // baseline ISA has no rounding instruction, so it calls nearbyintf once per activation, and at 8
 // rows that call was a third of an int4 verify's time on the AVX2 path.
 __attribute__((target("avx2,fma"))) void quantize_avx2(const float* a, int64_t blocks, int32_t zero, int8_t* q,
-                                                       float* scale, int32_t* offset) {
+                                                       float* scale, int32_t* offset, float* total) {
   const __m256 sign = _mm256_set1_ps(-0.0f);
   const __m256i byte_order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);  // undoes the per-lane packs
   for (int64_t blk = 0; blk < blocks; ++blk, a += kQBlock, q += kQBlock) {
@@ -83,8 +89,10 @@ __attribute__((target("avx2,fma"))) void quantize_avx2(const float* a, int64_t b
     __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(s8), _mm256_extracti128_si256(s8, 1));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4E));
     s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xB1));
+    const int32_t s = _mm_cvtsi128_si32(s4);
     scale[blk] = amax / 127.0f;
-    offset[blk] = -zero * _mm_cvtsi128_si32(s4);
+    offset[blk] = -zero * s;
+    total[blk] = scale[blk] * static_cast<float>(s);
   }
 }
 #endif
@@ -115,8 +123,11 @@ struct QuantizedMatMulKernel {
 
   void Compute(OrtKernelContext* context) {
     Ort::KernelContext ctx(context);
-    if (ctx.GetInputCount() != 3 || ctx.GetOutputCount() != 1) fail("expects 3 inputs and 1 output");
+    const size_t inputs = ctx.GetInputCount();
+    if (inputs < 3 || inputs > 4 || ctx.GetOutputCount() != 1) fail("expects 3 or 4 inputs and 1 output");
     const auto a = ctx.GetInput(0), weight = ctx.GetInput(1), scales = ctx.GetInput(2);
+    const auto offsets = inputs == 4 ? ctx.GetInput(3) : Ort::ConstValue{nullptr};
+    const bool asymmetric = static_cast<const OrtValue*>(offsets) != nullptr;
     const auto a_shape = a.GetTensorTypeAndShapeInfo().GetShape();
     if (a_shape.empty() || a_shape.back() != K) fail("input a ", shape_str(a_shape), " must end in K = ", K);
     const int64_t T = (N + kQTile - 1) / kQTile, KB = K / kQBlock;
@@ -125,6 +136,10 @@ struct QuantizedMatMulKernel {
     const auto s_shape = scales.GetTensorTypeAndShapeInfo().GetShape();
     if (w_shape != w_want) fail("weight ", shape_str(w_shape), " must be ", shape_str(w_want), " for K, N = ", K, ", ", N);
     if (s_shape != s_want) fail("scales ", shape_str(s_shape), " must be ", shape_str(s_want), " for K, N = ", K, ", ", N);
+    if (asymmetric) {
+      const auto o_shape = offsets.GetTensorTypeAndShapeInfo().GetShape();
+      if (o_shape != s_want) fail("offsets ", shape_str(o_shape), " must be ", shape_str(s_want), " (as scales)");
+    }
     const int64_t M = leading_rows(a_shape);
     std::vector<int64_t> y_shape = a_shape;
     y_shape.back() = N;
@@ -136,9 +151,12 @@ struct QuantizedMatMulKernel {
     rows.q.resize(static_cast<size_t>(M * K));
     rows.scale.resize(static_cast<size_t>(blocks));
     rows.offset.resize(static_cast<size_t>(blocks));
-    quantize(a.GetTensorData<float>(), blocks, format->zero_point, rows.q.data(), rows.scale.data(), rows.offset.data());
-    const Job job{&rows, weight.GetTensorData<uint8_t>(), scales.GetTensorData<float>(), y, M, K, N,
-                  format->tile_bytes};
+    rows.total.resize(static_cast<size_t>(blocks));
+    // Asymmetric codes have no zero point: their offset term is the float one (total x offsets).
+    quantize(a.GetTensorData<float>(), blocks, asymmetric ? 0 : format->zero_point, rows.q.data(), rows.scale.data(),
+             rows.offset.data(), rows.total.data());
+    const Job job{&rows, weight.GetTensorData<uint8_t>(), scales.GetTensorData<float>(),
+                  asymmetric ? offsets.GetTensorData<float>() : nullptr, y, M, K, N, format->tile_bytes};
     // Tiles in kTileBatches runs: taking thousands of tiles one by one (the lm_head has 3072)
     // costs an atomic add on a counter both cores write, per tile.
     parallel_for(context, T, [&](int64_t t) { tile(job, t); }, "a tile failed", std::min<int64_t>(T, kTileBatches));
@@ -176,7 +194,11 @@ struct QuantizedMatMulOp : Ort::CustomOpBase<QuantizedMatMulOp, QuantizedMatMulK
   }
   const char* GetName() const { return format->name; }
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
-  size_t GetInputTypeCount() const { return 3; }
+  size_t GetInputTypeCount() const { return 4; }
+  OrtCustomOpInputOutputCharacteristic GetInputCharacteristic(size_t index) const {
+    return index == 3 ? OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_OPTIONAL
+                      : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
+  }
   ONNXTensorElementDataType GetInputType(size_t index) const {
     return index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }

@@ -13,12 +13,19 @@
 //   0 a       float [..., K]
 //   1 weight  uint8 [T, K/32, tile bytes]   T = ceil(N/16) tiles of 16 columns, blocks of 32 rows
 //   2 scales  float [T, K/32, 16]           one scale per block and column (padding columns: 0)
+//   3 offsets float [T, K/32, 16], optional  asymmetric blocks: W = u * scale + offset, u the stored
+//                                           code with no zero point (GGUF Q4_1 / Q4_K / Q5_1 / Q5_K:
+//                                           scale d, offset m, kept exactly); absent: W = (u - z) * scale
 // Attributes: K, N (ints).  Output: y float [..., N].
 //
 // Activations, per row: each block of 32 is quantized to int8 with its own scale sa = max|a| / 127,
 // q = round-to-nearest-even(a * (127 / max|a|)), all in float32 (a zero block gives q = 0, sa = 0).
 // Then y[n] = sum over blocks b in order of fma(float(dot_b), sa_b * scale_bn, acc) from acc = 0,
 // where dot_b is the block's exact integer dot with the stored weights minus their zero point.
+// With offsets, each block's step is followed by acc = fma(offset_bn, total_b, acc), total_b =
+// sa_b * sum(q) the block's dequantized activations summed: the offset term costs one FMA per block
+// and column, as the min term of llama.cpp's Q4_1 x Q8_1 dot does, and dequant(W) * dequant(a) is
+// what the op computes.
 #pragma once
 
 #include <algorithm>
@@ -45,6 +52,8 @@ struct QuantizedRows {
   std::vector<float> scale;   // [M][K/32]  sa
   std::vector<int32_t> offset;  // [M][K/32]  -z * (the sum of the block's q), z the weights' zero point:
                                 // the dot's zero-point term, read straight from memory by the kernels
+  std::vector<float> total;     // [M][K/32]  sa * (the sum of the block's q): what asymmetric blocks'
+                                // offsets multiply
 };
 
 // One call's work. A work item is one tile (16 columns) for every row, so how the columns are
@@ -53,12 +62,14 @@ struct Job {
   const QuantizedRows* rows;
   const uint8_t* weight;
   const float* scales;
+  const float* offsets;  // null: symmetric blocks
   float* y;
   int64_t M, K, N, tile_bytes;
 
   int64_t blocks() const { return K / kQBlock; }
   const uint8_t* tile_block(int64_t t, int64_t b) const { return weight + (t * blocks() + b) * tile_bytes; }
   const float* tile_scales(int64_t t, int64_t b) const { return scales + (t * blocks() + b) * kQTile; }
+  const float* tile_offsets(int64_t t, int64_t b) const { return offsets + (t * blocks() + b) * kQTile; }
   int64_t width(int64_t t) const { return std::min(kQTile, N - t * kQTile); }  // real columns of tile t
 };
 
@@ -68,9 +79,10 @@ using TileFn = void (*)(const Job&, int64_t t);
 // group of rows, not once per row.
 using RowsFn = void (*)(const Job&, int64_t t, int64_t m0);
 
-// One tile for every row: full groups of R rows, then one smaller group for the rest.
+// One tile for every row: full groups of R rows, then one smaller group for the rest. `rows` holds
+// the group functions for 1..R rows at rows[1..R].
 template <int R>
-void tile_in_row_groups(const Job& job, int64_t t, const RowsFn (&rows)[R + 1]) {
+void tile_in_row_groups(const Job& job, int64_t t, const RowsFn* rows) {
   int64_t m = 0;
   for (; m + R <= job.M; m += R) rows[R](job, t, m);
   if (job.M > m) rows[job.M - m](job, t, m);

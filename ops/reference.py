@@ -117,43 +117,127 @@ def tree_mask(parents) -> np.ndarray:
     return m
 
 
-# ---- MatMulQ4 (matmul_q4.cc): 4-bit weights, rows that round alike for any row count ---------
+# ---- MatMulQ4 / MatMulQ8 (matmul_q4.cc, matmul_q8.cc): rows that round alike for any row count --
+#
+# Both store per block of 32 rows (along K) and column a code u, a scale and, for asymmetric blocks,
+# an offset: W = (u - zero) * scale (symmetric, zero 8 or 128) or W = u * scale + offset.
 
 Q4_BLOCK, Q4_TILE = 32, 16
+Q8_TILE_BYTES = 512
+ZERO = {4: 8, 8: 128}  # the symmetric formats' zero points
 
 
-def pack_q4(w):
-    """Quantize W [K, N] (K a multiple of 32) to the MatMulQ4 layout: symmetric 4-bit blocks of 32
-    rows per column; the scale maps the block's largest-magnitude weight to -8 (as ORT's symmetric
-    MatMulNBits does), so the others land in -8..7. Returns (weight uint8 [T, K/32, 256],
-    scales float32 [T, K/32, 16]) with T = ceil(N/16); padding columns are zero."""
+def tile_params(p, N):
+    """Per-block parameters [KB, N] (scales or offsets) as the ops take them: [T, KB, 16], padding
+    columns 0."""
+    p = np.asarray(p, dtype=np.float32)
+    KB = p.shape[0]
+    T = -(-N // Q4_TILE)
+    out = np.zeros((KB, T * Q4_TILE), np.float32)
+    out[:, :N] = p
+    return np.ascontiguousarray(out.reshape(KB, T, Q4_TILE).transpose(1, 0, 2))
+
+
+def tile_codes(u, bits, pad=0):
+    """Codes u [K, N] (0..15 or 0..255) in the op's byte layout: uint8 [T, K/32, 256 or 512]; padding
+    columns hold `pad`."""
+    K, N = u.shape
+    T, KB = -(-N // Q4_TILE), K // Q4_BLOCK
+    up = np.full((K, T * Q4_TILE), pad, np.uint8)
+    up[:, :N] = u
+    blocks = up.reshape(KB, Q4_BLOCK, T, Q4_TILE).transpose(2, 0, 1, 3)  # [T, KB, 32, 16]
+    if bits == 8:  # k = 4*g + i  ->  byte 64*g + 4*c + i
+        b = blocks.reshape(T, KB, 8, 4, Q4_TILE).transpose(0, 1, 2, 4, 3)  # [T, KB, g, c, i]
+        return np.ascontiguousarray(b).reshape(T, KB, Q8_TILE_BYTES)
+    # k = 16*hi + 4*c4 + i  ->  byte 64*c4 + 4*c + i, nibble hi
+    b = blocks.reshape(T, KB, 2, 4, 4, Q4_TILE).transpose(0, 1, 2, 3, 5, 4)  # [T, KB, hi, c4, c, i]
+    return np.ascontiguousarray(b[:, :, 0] | (b[:, :, 1] << 4)).reshape(T, KB, 256).astype(np.uint8)
+
+
+def untile_codes(weight, bits, N):
+    """The codes u [K, N] (int64) of a packed weight: the inverse of tile_codes."""
+    T, KB, _ = weight.shape
+    if bits == 8:
+        u = weight.reshape(T, KB, 8, Q4_TILE, 4).transpose(0, 1, 2, 4, 3)  # [T, KB, g, i, c]
+    else:
+        b = weight.reshape(T, KB, 4, Q4_TILE, 4)  # [T, KB, c4, c, i]
+        u = np.stack([b & 0x0F, b >> 4], axis=2).transpose(0, 1, 2, 3, 5, 4)  # [T, KB, hi, c4, i, c]
+    u = u.reshape(T, KB, Q4_BLOCK, Q4_TILE).astype(np.int64)
+    return u.transpose(1, 2, 0, 3).reshape(KB * Q4_BLOCK, T * Q4_TILE)[:, :N]
+
+
+def dequantize(weight, scales, N, bits, offsets=None):
+    """The dequantized W [K, N] that the op multiplies by, in float32 as the source formats
+    dequantize: (u - zero) * scale, or u * scale + offset (each rounded once)."""
+    u = untile_codes(weight, bits, N)
+    per_row = lambda p: np.repeat(p.transpose(1, 0, 2).reshape(p.shape[1], -1)[:, :N], Q4_BLOCK, axis=0)
+    if offsets is None:
+        return ((u - ZERO[bits]).astype(np.float32) * per_row(scales)).astype(np.float32)
+    return (u.astype(np.float32) * per_row(scales) + per_row(offsets)).astype(np.float32)
+
+
+def symmetric_codes(w, bits):
+    """Round-to-nearest symmetric blocks of 32 rows per column: the scale maps the block's
+    largest-magnitude weight to the lowest level (-8 or -128, as ORT's symmetric MatMulNBits does).
+    Returns (u uint8 [K, N] with the zero point added, scales [KB, N])."""
     w = np.asarray(w, dtype=np.float32)
     K, N = w.shape
     if K % Q4_BLOCK:
         raise ValueError(f"K = {K} is not a multiple of {Q4_BLOCK}")
-    T, KB = -(-N // Q4_TILE), K // Q4_BLOCK
-    wp = np.zeros((K, T * Q4_TILE), np.float32)
-    wp[:, :N] = w
-    blocks = wp.reshape(KB, Q4_BLOCK, T, Q4_TILE).transpose(2, 0, 1, 3)  # [T, KB, 32, 16]
-    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[:, :, None, :], axis=2)[:, :, 0]
-    scale = (extreme / -8.0).astype(np.float32)  # [T, KB, 16]
+    zero = ZERO[bits]
+    blocks = w.reshape(K // Q4_BLOCK, Q4_BLOCK, N)
+    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None, :], axis=1)[:, 0]
+    scale = (extreme / np.float32(-zero)).astype(np.float32)  # [KB, N]
     safe = np.where(scale != 0, scale, 1.0)
-    u = (np.clip(np.rint(blocks / safe[:, :, None, :]), -8, 7) + 8).astype(np.uint8)  # [T, KB, 32, 16]
-    # k = 16*hi + 4*c4 + i  ->  byte 64*c4 + 4*c + i, nibble hi
-    u = u.reshape(T, KB, 2, 4, 4, Q4_TILE)                  # [T, KB, hi, c4, i, c]
-    u = u.transpose(0, 1, 2, 3, 5, 4)                       # [T, KB, hi, c4, c, i]
-    packed = u[:, :, 0] | (u[:, :, 1] << 4)                 # [T, KB, c4, c, i]
-    return packed.reshape(T, KB, 256).astype(np.uint8), scale.astype(np.float32)
+    u = np.clip(np.rint(blocks / safe[:, None, :]), -zero, zero - 1) + zero
+    return u.reshape(K, N).astype(np.uint8), scale
 
 
-def unpack_q4(weight, scales, N):
+def pack_q4(w):
+    """Quantize W [K, N] (K a multiple of 32) to the MatMulQ4 layout with symmetric round-to-nearest
+    blocks (symmetric_codes). Returns (weight uint8 [T, K/32, 256], scales float32 [T, K/32, 16])
+    with T = ceil(N/16); padding columns are zero weights (u = 8) with scale 0."""
+    u, scale = symmetric_codes(w, 4)
+    return tile_codes(u, 4, pad=8), tile_params(scale, u.shape[1])
+
+
+def pack_q8(w):
+    """As pack_q4, for the MatMulQ8 layout (weight uint8 [T, K/32, 512]); padding columns are zero
+    weights (u = 128) with scale 0."""
+    u, scale = symmetric_codes(w, 8)
+    return tile_codes(u, 8, pad=128), tile_params(scale, u.shape[1])
+
+
+def minmax_codes(w, bits):
+    """Round-to-nearest asymmetric blocks of 32 rows per column, as GGUF's reference Q4_1 quantizer:
+    scale (max - min) / (2^bits - 1), offset min. Returns (u uint8 [K, N], scales [KB, N],
+    offsets [KB, N])."""
+    w = np.asarray(w, dtype=np.float32)
+    K, N = w.shape
+    blocks = w.reshape(K // Q4_BLOCK, Q4_BLOCK, N)
+    low, high = blocks.min(axis=1), blocks.max(axis=1)
+    scale = ((high - low) / np.float32(2 ** bits - 1)).astype(np.float32)
+    safe = np.where(scale > 0, scale, 1.0)
+    u = np.clip(np.rint((blocks - low[:, None, :]) / safe[:, None, :]), 0, 2 ** bits - 1)
+    return u.reshape(K, N).astype(np.uint8), scale, low.astype(np.float32)
+
+
+def pack_asymmetric(w, bits):
+    """W [K, N] as minmax_codes in the MatMulQ4 (bits 4) or MatMulQ8 (bits 8) layout: (weight,
+    scales, offsets), each [T, K/32, ...]."""
+    u, scale, offset = minmax_codes(w, bits)
+    N = u.shape[1]
+    return tile_codes(u, bits), tile_params(scale, N), tile_params(offset, N)
+
+
+def unpack_q4(weight, scales, N, offsets=None):
     """The dequantized W [K, N] that MatMulQ4 multiplies by (for tests and error estimates)."""
-    T, KB, _ = weight.shape
-    b = weight.reshape(T, KB, 4, Q4_TILE, 4)                # [T, KB, c4, c, i]
-    u = np.stack([b & 0x0F, b >> 4], axis=2)                # [T, KB, hi, c4, c, i]
-    u = u.transpose(0, 1, 2, 3, 5, 4).reshape(T, KB, Q4_BLOCK, Q4_TILE).astype(np.float32) - 8
-    w = u * scales[:, :, None, :]
-    return w.transpose(1, 2, 0, 3).reshape(KB * Q4_BLOCK, T * Q4_TILE)[:, :N]
+    return dequantize(weight, scales, N, 4, offsets)
+
+
+def unpack_q8(weight, scales, N, offsets=None):
+    """The dequantized W [K, N] that MatMulQ8 multiplies by."""
+    return dequantize(weight, scales, N, 8, offsets)
 
 
 def quantize_activations(a):
@@ -168,74 +252,48 @@ def quantize_activations(a):
     return q, (amax / np.float32(127)).astype(np.float32)
 
 
-def accumulate_blocks(dots, sa, scales):
+def fma32(a, b, c):
+    """float32 fma: the float64 product of two float32s is exact, so one rounding, as the ops."""
+    return (np.asarray(a, np.float64) * b + c).astype(np.float32)
+
+
+def accumulate_blocks(dots, sa, scales, offsets=None, totals=None):
     """y [M, T*16] = sum over blocks b in order of fma(float(dots[:, b]), sa[:, b] * scale_b, y)
-    from 0, in float32 as the ops do (dots: exact integer dots [M, KB, T*16])."""
+    from 0, then (asymmetric) y = fma(offset_b, totals[:, b], y), in float32 as the ops do (dots:
+    exact integer dots [M, KB, T*16]; totals = sa * sum(q) [M, KB])."""
     T, KB, _ = scales.shape
-    sb = scales.transpose(1, 0, 2).reshape(KB, T * Q4_TILE)
+    flat = lambda p: p.transpose(1, 0, 2).reshape(KB, T * Q4_TILE)
+    sb = flat(scales)
+    ob = None if offsets is None else flat(offsets)
     y = np.zeros((dots.shape[0], T * Q4_TILE), np.float32)
-    for b in range(KB):  # fma in block order: float64 product of two float32s is exact
+    for b in range(KB):
         s = (sa[:, b:b + 1] * sb[b][None, :]).astype(np.float32)
-        y = (dots[:, b].astype(np.float64) * s + y).astype(np.float32)
+        y = fma32(dots[:, b].astype(np.float32), s, y)
+        if ob is not None:
+            y = fma32(ob[b][None, :], totals[:, b:b + 1], y)
     return y
 
 
-def matmul_q4(a, weight, scales, N):
-    """MatMulQ4 in numpy, bit for bit: a [..., K] float32 -> [..., N] float32."""
+def quantized_matmul(a, weight, scales, N, bits, offsets=None):
+    """MatMulQ4 (bits 4) or MatMulQ8 (bits 8) in numpy, bit for bit: a [..., K] float32 -> [..., N]."""
     a = np.asarray(a, dtype=np.float32)
     T, KB, _ = weight.shape
     q, sa = quantize_activations(a)
-    u = (unpack_q4(weight, np.ones_like(scales), T * Q4_TILE) + 8).astype(np.int64)  # [K, T*16]
-    u = u.reshape(KB, Q4_BLOCK, T * Q4_TILE)
-    dots = np.einsum("mbk,bkn->mbn", q, u) - 8 * q.sum(axis=2)[:, :, None]        # exact ints
-    return accumulate_blocks(dots, sa, scales)[:, :N].reshape(*a.shape[:-1], N)
+    u = untile_codes(weight, bits, T * Q4_TILE).reshape(KB, Q4_BLOCK, T * Q4_TILE)
+    zero = 0 if offsets is not None else ZERO[bits]
+    dots = np.einsum("mbk,bkn->mbn", q, u) - zero * q.sum(axis=2)[:, :, None]  # exact ints
+    totals = (sa * q.sum(axis=2).astype(np.float32)).astype(np.float32)
+    return accumulate_blocks(dots, sa, scales, offsets, totals)[:, :N].reshape(*a.shape[:-1], N)
 
 
-# ---- MatMulQ8 (matmul_q8.cc): 8-bit weights, rows that round alike for any row count ---------
-
-Q8_TILE_BYTES = 512
-
-
-def pack_q8(w):
-    """Quantize W [K, N] (K a multiple of 32) to the MatMulQ8 layout: symmetric 8-bit blocks of 32
-    rows per column; the scale maps the block's largest-magnitude weight to -128 (as ORT's symmetric
-    MatMulNBits does), so the others land in -128..127, stored as u = w + 128. Returns
-    (weight uint8 [T, K/32, 512], scales float32 [T, K/32, 16]) with T = ceil(N/16); padding columns
-    are zero weights (u = 128) with scale 0."""
-    w = np.asarray(w, dtype=np.float32)
-    K, N = w.shape
-    if K % Q4_BLOCK:
-        raise ValueError(f"K = {K} is not a multiple of {Q4_BLOCK}")
-    T, KB = -(-N // Q4_TILE), K // Q4_BLOCK
-    wp = np.zeros((K, T * Q4_TILE), np.float32)
-    wp[:, :N] = w
-    blocks = wp.reshape(KB, Q4_BLOCK, T, Q4_TILE).transpose(2, 0, 1, 3)  # [T, KB, 32, 16]
-    extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=2)[:, :, None, :], axis=2)[:, :, 0]
-    scale = (extreme / -128.0).astype(np.float32)  # [T, KB, 16]
-    safe = np.where(scale != 0, scale, 1.0)
-    u = (np.clip(np.rint(blocks / safe[:, :, None, :]), -128, 127) + 128).astype(np.uint8)  # [T, KB, 32, 16]
-    # k = 4*g + i  ->  byte 64*g + 4*c + i
-    u = u.reshape(T, KB, 8, 4, Q4_TILE).transpose(0, 1, 2, 4, 3)  # [T, KB, g, c, i]
-    return np.ascontiguousarray(u).reshape(T, KB, Q8_TILE_BYTES), scale
+def matmul_q4(a, weight, scales, N, offsets=None):
+    """MatMulQ4 in numpy, bit for bit."""
+    return quantized_matmul(a, weight, scales, N, 4, offsets)
 
 
-def unpack_q8(weight, scales, N):
-    """The dequantized W [K, N] that MatMulQ8 multiplies by (for tests and error estimates)."""
-    T, KB, _ = weight.shape
-    u = weight.reshape(T, KB, 8, Q4_TILE, 4).transpose(0, 1, 2, 4, 3)  # [T, KB, g, i, c]
-    w = (u.reshape(T, KB, Q4_BLOCK, Q4_TILE).astype(np.float32) - 128) * scales[:, :, None, :]
-    return w.transpose(1, 2, 0, 3).reshape(KB * Q4_BLOCK, T * Q4_TILE)[:, :N]
-
-
-def matmul_q8(a, weight, scales, N):
-    """MatMulQ8 in numpy, bit for bit: a [..., K] float32 -> [..., N] float32."""
-    a = np.asarray(a, dtype=np.float32)
-    T, KB, _ = weight.shape
-    q, sa = quantize_activations(a)
-    u = (unpack_q8(weight, np.ones_like(scales), T * Q4_TILE) + 128).astype(np.int64)  # [K, T*16]
-    u = u.reshape(KB, Q4_BLOCK, T * Q4_TILE)
-    dots = np.einsum("mbk,bkn->mbn", q, u) - 128 * q.sum(axis=2)[:, :, None]      # exact ints
-    return accumulate_blocks(dots, sa, scales)[:, :N].reshape(*a.shape[:-1], N)
+def matmul_q8(a, weight, scales, N, offsets=None):
+    """MatMulQ8 in numpy, bit for bit."""
+    return quantized_matmul(a, weight, scales, N, 8, offsets)
 
 
 def skip_rms_norm(x, skip, gamma, epsilon):

@@ -234,24 +234,29 @@ def check_rows_alone(sess, f: dict, out) -> str | None:
 
 
 def check_quantized_matmul(rng, threads: int, bits: int) -> str | None:
-    """MatMulQ4 (bits 4) or MatMulQ8 (bits 8) at a random size (partial last tile, 0..70 rows: every row group and remainder of
-    the register-blocked kernels) on a random kernel path against its numpy reference, and a random
+    """MatMulQ4 (bits 4) or MatMulQ8 (bits 8), symmetric or asymmetric (with offsets) at random, at a
+    random size (partial last tile, 0..70 rows: every row group and remainder of the
+    register-blocked kernels) on a random kernel path against its numpy reference, and a random
     slice of the rows alone against the same rows of the full call."""
     from dflash.ops import models, reference
 
-    op = f"MatMulQ{bits}"
+    asymmetric = bool(rng.integers(2))
+    op = f"MatMulQ{bits}" + (" asymmetric" if asymmetric else "")
     one_node = getattr(models, f"q{bits}_model")
-    pack, reference_matmul = getattr(reference, f"pack_q{bits}"), getattr(reference, f"matmul_q{bits}")
 
     K, N, M = 32 * int(rng.integers(1, 33)), int(rng.integers(1, 100)), int(rng.integers(0, 71))
     kernels = KERNELS[int(rng.integers(len(KERNELS)))]
     os.environ["DFLASH_OPS_KERNELS"] = kernels  # read when the session creates the kernel
-    packed, scales = pack(rng.standard_normal((K, N)).astype(np.float32))
-    sess = op_session(one_node(K, N, packed, scales), threads)  # untyped input
+    w = rng.standard_normal((K, N)).astype(np.float32)
+    if asymmetric:
+        packed, scales, offsets = reference.pack_asymmetric(w, bits)
+    else:
+        (packed, scales), offsets = getattr(reference, f"pack_q{bits}")(w), None
+    sess = op_session(one_node(K, N, packed, scales, offsets=offsets), threads)  # untyped input
     a = rng.standard_normal((M, K)).astype(np.float32)
     where = f"{op} K={K} N={N} M={M} kernels={kernels or 'best'}"
     full = sess.run(None, {"a": a})[0]
-    if not np.array_equal(full, reference_matmul(a, packed, scales, N)):
+    if not np.array_equal(full, reference.quantized_matmul(a, packed, scales, N, bits, offsets)):
         return f"{where}: differs from the reference"
     start = int(rng.integers(0, M + 1))
     stop = int(rng.integers(start, M + 1))

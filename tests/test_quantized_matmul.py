@@ -22,21 +22,26 @@ class Op:
     bits: int
     tile_bytes: int
     error: float  # |y - a @ w| allowed, per sqrt(K): the weights' rounding
+    asymmetric: bool = False  # with the offsets input
 
     def pack(self, w):
+        """(packed, scales) or, asymmetric, (packed, scales, offsets)."""
+        if self.asymmetric:
+            return reference.pack_asymmetric(w, self.bits)
         return getattr(reference, f"pack_q{self.bits}")(w)
 
-    def reference(self, a, packed, scales, N):
-        return getattr(reference, f"matmul_q{self.bits}")(a, packed, scales, N)
+    def reference(self, a, packed, scales, N, offsets=None):
+        return reference.quantized_matmul(a, packed, scales, N, self.bits, offsets)
 
-    def model(self, K, N, packed, scales, a_shape=("M", None)):
+    def model(self, K, N, packed, scales, offsets=None, a_shape=("M", None)):
         """The one-node model with input a [*a_shape] (None: K)."""
         one_node = getattr(models, f"q{self.bits}_model")
-        return one_node(K, N, packed, scales, [K if d is None else d for d in a_shape])
+        return one_node(K, N, packed, scales, [K if d is None else d for d in a_shape], offsets=offsets)
 
 
-OPS = [Op("MatMulQ4", 4, 256, 0.05), Op("MatMulQ8", 8, 512, 0.01)]
-by_name = pytest.mark.parametrize("op", OPS, ids=lambda op: op.name)
+OPS = [Op("MatMulQ4", 4, 256, 0.05), Op("MatMulQ8", 8, 512, 0.01),
+       Op("MatMulQ4", 4, 256, 0.05, asymmetric=True), Op("MatMulQ8", 8, 512, 0.01, asymmetric=True)]
+by_name = pytest.mark.parametrize("op", OPS, ids=lambda op: op.name + ("-asymmetric" if op.asymmetric else ""))
 
 
 def random_weights(rng, K, N):
@@ -81,14 +86,14 @@ def test_matches_reference_bit_for_bit(lib, monkeypatch, op, kernels):
     rng = np.random.default_rng(1)
     for K, N, M in [(32, 16, 1), (576, 200, 5), (1536, 64, 9), (64, 33, 4), (96, 7, 13)]:
         w = random_weights(rng, K, N)
-        packed, scales = op.pack(w)
+        params = op.pack(w)
         a = rng.standard_normal((M, K)).astype(np.float32)
         a[0, 32:64] = 0.0  # an all-zero activation block
         if M > 1:  # a block whose scaled activations are ties (x.5): every path rounds them to even
             a[1, :32] = (np.arange(32) - 15.5) / 32  # max 127/32, so the scale is 32: q = 32 a
             a[1, 31] = 127 / 32
-        y = session(op.model(K, N, packed, scales), threads=2).run(None, {"a": a})[0]
-        np.testing.assert_array_equal(y, op.reference(a, packed, scales, N))
+        y = session(op.model(K, N, *params), threads=2).run(None, {"a": a})[0]
+        np.testing.assert_array_equal(y, op.reference(a, *params[:2], N, *params[2:]))
         assert np.abs(y - a @ w).max() < op.error * np.sqrt(K)  # and it is a matmul
 
 
@@ -102,11 +107,11 @@ def test_every_row_count_and_tile_edge_matches_the_reference(lib, monkeypatch, o
         monkeypatch.setenv("DFLASH_OPS_KERNELS", kernels)
     rng = np.random.default_rng(5)
     for K, N, threads in [(32, 7, 1), (96, 40, 2), (576, 33, 2), (160, 75, 1)]:
-        packed, scales = op.pack(random_weights(rng, K, N))
+        params = op.pack(random_weights(rng, K, N))
         a = rng.standard_normal((40, K)).astype(np.float32)
         a[5, :32] = 0.0  # an all-zero activation block
-        ref = op.reference(a, packed, scales, N)
-        sess = session(op.model(K, N, packed, scales), threads=threads)
+        ref = op.reference(a, *params[:2], N, *params[2:])
+        sess = session(op.model(K, N, *params), threads=threads)
         for M in range(1, 34):
             start = (7 * M) % (41 - M)  # the rows at varying places within the row groups
             np.testing.assert_array_equal(sess.run(None, {"a": a[start:start + M]})[0], ref[start:start + M],
@@ -135,14 +140,41 @@ def test_q8_extreme_weights_and_activations_stay_exact(lib, monkeypatch, kernels
 @by_name
 def test_leading_dimensions_and_empty_input(lib, op):
     rng = np.random.default_rng(3)
-    packed, scales = op.pack(random_weights(rng, 64, 32))
-    sess = session(op.model(64, 32, packed, scales, a_shape=(1, "S", None)))
+    params = op.pack(random_weights(rng, 64, 32))
+    sess = session(op.model(64, 32, *params, a_shape=(1, "S", None)))
     a = rng.standard_normal((1, 3, 64)).astype(np.float32)
-    np.testing.assert_array_equal(sess.run(None, {"a": a})[0], op.reference(a, packed, scales, 32))
+    np.testing.assert_array_equal(sess.run(None, {"a": a})[0], op.reference(a, *params[:2], 32, *params[2:]))
     assert sess.run(None, {"a": np.zeros((1, 0, 64), np.float32)})[0].shape == (1, 0, 32)
 
 
-@by_name
+def test_asymmetric_blocks_dequantize_as_gguf_q4_1_does():
+    """u * scale + offset, one rounding in float32: constant blocks (scale 0) keep their value."""
+    rng = np.random.default_rng(2)
+    w = random_weights(rng, 64, 24)
+    w[32:, 3] = 0.25  # a constant block: scale 0, offset 0.25
+    u, scale, offset = reference.minmax_codes(w, 4)
+    packed, scales, offsets = reference.pack_asymmetric(w, 4)
+    want = (u.astype(np.float32) * np.repeat(scale, 32, axis=0) + np.repeat(offset, 32, axis=0)).astype(np.float32)
+    np.testing.assert_array_equal(reference.unpack_q4(packed, scales, 24, offsets), want)
+    assert (want[32:, 3] == 0.25).all() and scale[1, 3] == 0
+    assert np.abs(want - w).max() <= np.abs(scale).max() / 2 + 1e-7
+
+
+@pytest.mark.parametrize("kernels", PATHS)
+def test_a_constant_weight_block_with_zero_scale_is_exact(lib, monkeypatch, kernels):
+    """Asymmetric blocks can be constant (scale 0, offset c): the op gives c * sum(dequantized a)."""
+    if kernels:
+        monkeypatch.setenv("DFLASH_OPS_KERNELS", kernels)
+    K, N = 64, 16
+    w = np.full((K, N), -0.5, np.float32)
+    params = reference.pack_asymmetric(w, 4)
+    a = np.random.default_rng(6).standard_normal((3, K)).astype(np.float32)
+    y = session(models.q4_model(K, N, *params[:2], ["M", K], offsets=params[2])).run(None, {"a": a})[0]
+    np.testing.assert_array_equal(y, reference.matmul_q4(a, *params[:2], N, params[2]))
+    np.testing.assert_allclose(y, a @ w, rtol=0.02)
+
+
+@pytest.mark.parametrize("op", OPS[:2], ids=lambda op: op.name)
 def test_bad_inputs_are_clean_errors(lib, op):
     rng = np.random.default_rng(4)
     packed, scales = op.pack(random_weights(rng, 64, 32))
@@ -151,6 +183,8 @@ def test_bad_inputs_are_clean_errors(lib, op):
         session(op.model(64, 48, packed, np.zeros((3, 2, 16), np.float32))).run(None, one_row)
     with pytest.raises(ORT_ERRORS, match=rf"{op.name}: scales \[2,2,8\] must be \[2,2,16\]"):
         session(op.model(64, 32, packed, scales[:, :, :8].copy())).run(None, one_row)
+    with pytest.raises(ORT_ERRORS, match=rf"{op.name}: offsets \[2,1,16\] must be \[2,2,16\] \(as scales\)"):
+        session(op.model(64, 32, packed, scales, offsets=scales[:, :1].copy())).run(None, one_row)
     with pytest.raises(ORT_ERRORS, match=rf"{op.name}: input a \[1,32\] must end in K = 64"):
         session(op.model(64, 32, packed, scales, a_shape=("M", "K"))).run(None, {"a": np.zeros((1, 32), np.float32)})
     with pytest.raises(ORT_ERRORS, match=f"{op.name}: K = 48 must be a positive multiple of 32"):
