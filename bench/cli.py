@@ -197,11 +197,17 @@ def soak(bundle, n, modes, max_new_tokens, threads, max_growth, full, json_out):
 @click.option("--text", "text_file", type=click.Path(exists=True), help="plain-text file (default: a shipped text)")
 @click.option("--threads", type=int, help="intra-op threads (default: every usable core)")
 @click.option("--json", "json_out", type=click.Path(), help="write the rows here")
-def quality(bundles, text_file, threads, json_out):
-    """Per bundle: perplexity on a text, top-1 agreement with the first bundle, a sample answer."""
+@click.option("--peers", default="", help="comma-separated: llamacpp (llama.cpp on the first bundle's source GGUF)")
+def quality(bundles, text_file, threads, json_out, peers):
+    """Per bundle: perplexity on a text, top-1 agreement with and KL divergence from the first
+    bundle, a sample answer."""
     from .quality import print_table, quality as run
 
-    rows = run(list(bundles), Path(text_file or QUALITY_TEXT).read_text(), threads)
+    peers = tuple(p for p in peers.split(",") if p)
+    if set(peers) - {"llamacpp"}:
+        raise click.BadParameter(f"unknown peer(s) {', '.join(sorted(set(peers) - {'llamacpp'}))}; known: llamacpp",
+                                 param_hint="--peers")
+    rows = run(list(bundles), Path(text_file or QUALITY_TEXT).read_text(), threads, peers=peers)
     print_table(rows)
     write_json(json_out, {"machine": machine(), "text": text_file or "the shipped text (bench/prompts/quality.txt)",
                           "rows": rows})

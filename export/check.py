@@ -2,10 +2,11 @@
 and fail if they disagree.
 
 For a quantized graph the reference computes what its MatMuls should compute: the source
-weights quantized independently here (symmetric blocks of 32 along K, the scale mapping a
-block's largest-magnitude weight to the lowest level, as MatMulQ4, MatMulQ8 and ORT's symmetric
-MatMulNBits quantize) and the activations quantized to int8 per block of 32 (MatMulQ4, MatMulQ8
-and MatMulNBits accuracy level 4).  On tiny models the graph matches it to 1e-6; on real models with
+weights as the export's weight plan quantizes them (export/quantize.py: a GGUF's own blocks,
+searched or symmetric blocks of 32 along K; without a plan, symmetric blocks, as ORT's symmetric
+MatMulNBits quantizes), dequantized here from the plan's codes, not read back from the graph,
+and the activations quantized to int8 per block of 32 (MatMulQ4, MatMulQ8 and MatMulNBits
+accuracy level 4).  On tiny models the graph matches it to 1e-6; on real models with
 outlier activations a few int8 roundings flip and grow through the layers, so a quantized graph
 must stay within a share of the distance quantization moves the model from fp32 (QUANTIZED_SHARE;
 measured on SmolLM2-135M: 0.03-0.09 of it with MatMulQ4).  A graph whose quantized weights are
@@ -29,17 +30,6 @@ TOLERANCE = 1e-3  # allowed |ORT - reference|, relative to the reference's large
 QUANTIZED_SHARE = {"q4": 0.25, "q8": 0.25, "nbits": 1.0}
 
 
-def quantized_weight(w: torch.Tensor, bits: int) -> torch.Tensor:
-    """W [K, N] round-tripped through symmetric `bits`-bit blocks of 32 rows per column."""
-    K, N = w.shape
-    blocks = w.reshape(K // BLOCK, BLOCK, N)
-    extreme = blocks.gather(1, blocks.abs().argmax(1, keepdim=True))
-    low = -(2 ** (bits - 1))
-    scale = extreme / low
-    safe = torch.where(scale != 0, scale, torch.ones_like(scale))
-    return (torch.clamp(torch.round(blocks / safe), low, -low - 1) * scale).reshape(K, N)
-
-
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """x [..., K] round-tripped through int8 per block of 32, rounded as the ops round: in float32,
     x * (127 / block max)."""
@@ -51,10 +41,11 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
 
 
 @contextmanager
-def quantized_reference(graph, bits: int):
-    """Within the block, `graph` (a TargetGraph) computes its MatMuls as a quantized export does."""
-    def product(weight_kn):
-        wq = quantized_weight(weight_kn.double(), bits)
+def quantized_reference(graph, plan):
+    """Within the block, `graph` (a TargetGraph) computes its MatMuls as a quantized export with
+    weight plan `plan` (export/quantize.py) does."""
+    def product(weight_kn, lm_head=False):
+        wq = torch.from_numpy(plan(weight_kn.numpy(), lm_head=lm_head).dequantized()).double()
         return lambda x: (quantized_activations(x) @ wq).float()
 
     patched = []
@@ -63,7 +54,8 @@ def quantized_reference(graph, bits: int):
             mm, bias = product(module.weight.detach().t()), module.bias
             module.forward = (lambda x, mm=mm, bias=bias: mm(x) + bias if bias is not None else mm(x))
             patched.append(module)
-    graph.project = product(graph.lm_head.detach()) if graph.lm_head.shape[0] % BLOCK == 0 else graph.project
+    if graph.lm_head.shape[0] % BLOCK == 0:
+        graph.project = product(graph.lm_head.detach(), lm_head=True)
     try:
         yield graph
     finally:
@@ -72,13 +64,14 @@ def quantized_reference(graph, bits: int):
         graph.__dict__.pop("project", None)
 
 
-def check_target(model, taps: list[int], bundle: Path, s: int = 5, past: int = 7) -> dict:
+def check_target(model, taps: list[int], bundle: Path, s: int = 5, past: int = 7, plan=None) -> dict:
     """{logits, taps}: max |ORT - reference| for S new rows after `past` random cached rows,
-    their bounds, and `passed`."""
+    their bounds, and `passed`. `plan`: the weight plan the graph was quantized with (default:
+    symmetric blocks)."""
     from dflash.runtime.bundle import load_bundle
     from dflash.runtime.session import make_session
 
-    from .quantize import BITS
+    from .quantize import BITS, WeightPlan
     from .target import TargetGraph, example_inputs
 
     info = load_bundle(bundle)
@@ -91,7 +84,8 @@ def check_target(model, taps: list[int], bundle: Path, s: int = 5, past: int = 7
         ref = [t.numpy() for t in TargetGraph(model, taps, info.max_len)(*inputs)[:2]]
         if dtype in BITS:
             graph = TargetGraph(model, taps, info.max_len)
-            with quantized_reference(graph, BITS[dtype]):
+            plan = plan or WeightPlan(dtype, symmetric_only=True)
+            with quantized_reference(graph, plan):
                 ref, fp32 = [t.numpy() for t in graph(*inputs)[:2]], ref
     result = {}
     for i, (name, got) in enumerate((("logits", logits), ("taps", tapped))):

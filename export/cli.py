@@ -77,16 +77,44 @@ def main():
 @click.option("--batched", is_flag=True,
               help="also write the batched target graph (many sequences per run, each with its own cache), "
                    "with which `dflash-train data --engine ort` answers many prompts at once")
-def target(src, out, dtype, max_len, taps, attention, matmul, overwrite, batched):
-    """Export the target model SRC: a Hugging Face model folder, a .gguf file, or 'default'."""
+@click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
+              help="a text file run through the fp32 model to weight the int4 search by the activations each "
+                   "weight meets (an importance matrix); for weights a GGUF does not already hold quantized")
+def target(src, out, dtype, max_len, taps, attention, matmul, overwrite, batched, calibration):
+    """Export the target model SRC: a Hugging Face model folder, a .gguf file, or 'default'.
+
+    A GGUF's quantized tensors are kept exactly at int4 and int8 (Q4_0/Q4_1/Q4_K as MatMulQ4,
+    Q5_x/Q8_0 as MatMulQ8, Q6_K near-exactly); other weights are quantized here, int4 as searched
+    asymmetric blocks with an int8 lm_head."""
     try:
-        export_target(src, out, dtype, max_len, taps, attention, overwrite, matmul=matmul, batched=batched)
+        export_target(src, out, dtype, max_len, taps, attention, overwrite, matmul=matmul, batched=batched,
+                      calibration=calibration)
     except (SourceError, DiskFullError, FileExistsError) as e:
         raise click.ClickException(str(e))
 
 
+def weight_plan_for(source, dtype: str, matmul: str, calibration: Path | None, progress):
+    """The weight plan of a quantized target with our kernels (None for fp32 and MatMulNBits)."""
+    from .quantize import weight_plan
+
+    if dtype == "fp32" or matmul not in ("q4", "q8"):
+        if calibration:
+            raise SourceError("--calibration applies to int4 / int8 targets with this project's kernels")
+        return None
+    importance = None
+    if calibration:
+        from .imatrix import importance as measure
+
+        ids = source.tokenizer(calibration.read_text(), add_special_tokens=False)["input_ids"]
+        if len(ids) < 2:
+            raise SourceError(f"--calibration {calibration}: the text has fewer than two tokens")
+        progress(f"measuring the importance matrix on {calibration} ({len(ids)} tokens)")
+        importance = measure(source.model, ids)
+    return weight_plan(source.path, dtype, importance)
+
+
 def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="custom", overwrite=False,
-                  source=None, matmul=None, batched=False):
+                  source=None, matmul=None, batched=False, calibration=None):
     """Export SRC (or an already loaded `source`) as a target bundle in `out`."""
     from . import sources
     from .bundle import eos_token_ids, staging, write_manifest, write_tokenizer
@@ -97,23 +125,29 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
     matmul = kernel_for(dtype, attention, matmul)  # q4, q8: rows round alike for any row count
     if batched and attention != "custom":
         raise SourceError(f"--batched needs --attention custom (this project's ops), not {attention}")
-    progress = Progress((5 if dtype == "fp32" else 6) + ((2 if dtype == "fp32" else 3) if batched else 0))
+    progress = Progress((5 if dtype == "fp32" else 6) + ((2 if dtype == "fp32" else 3) if batched else 0)
+                        + bool(calibration))
     progress(f"loading {src}")
     source = source or sources.load(src)
     config = source.model.config
     if max_len < 2:
         raise SourceError(f"--max-len {max_len} is too small; give the KV-cache capacity in tokens")
     tap_ids = parse_taps(taps, config.num_hidden_layers)
+    plan = weight_plan_for(source, dtype, matmul, calibration, progress)
     with staging(Path(out), overwrite) as folder:
         progress(f"exporting the {source.architecture} target graph "
                  f"({sum(p.numel() for p in source.model.parameters()) / 1e6:.0f}M parameters, "
                  f"attention {attention}, capacity {max_len})")
         graphs = {"target": {"file": export_graph(source.model, tap_ids, max_len, attention, folder, "target",
-                                                  dtype, matmul, progress), "dtype": dtype, "matmul": matmul}}
+                                                  dtype, matmul, progress, plan=plan), "dtype": dtype, "matmul": matmul}}
+        if plan is not None:
+            graphs["target"]["weights"] = dict(plan.counts)
+            click.echo(f"  weights: {plan.summary()}", err=True)
         if batched:
             progress("exporting the batched target graph")
             graphs["target_batched"] = {**graphs["target"], "file": export_graph(
-                source.model, tap_ids, max_len, attention, folder, "target_batched", dtype, matmul, progress, True)}
+                source.model, tap_ids, max_len, attention, folder, "target_batched", dtype, matmul, progress, True,
+                plan=plan)}
         progress("writing tokenizer and manifest")
         manifest = {
             "model_id": source.model_id, "source": source.path, "architecture": source.architecture,
@@ -128,7 +162,7 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
         write_manifest(folder, manifest)
         reference = "torch" if dtype == "fp32" else f"torch with {dtype} weights and int8 activations"
         progress(f"checking ONNX Runtime against {reference} on random inputs")
-        diff = check_target(source.model, tap_ids, folder)
+        diff = check_target(source.model, tap_ids, folder, plan=plan)
         verdict = "passed" if diff["passed"] else "FAILED"
         click.echo(f"  max |logits(ORT) - reference| = {diff['logits']:.3g} (bound {diff['logits_bound']:.3g}), "
                    f"taps {diff['taps']:.3g} (bound {diff['taps_bound']:.3g}): {verdict}", err=True)
@@ -149,9 +183,9 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
 
 
 def export_graph(model, tap_ids, max_len, attention, folder: Path, name: str, dtype, matmul, progress,
-                 batched=False) -> str:
-    """Export the target graph as folder/NAME.onnx, quantized to `dtype` (then NAME_DTYPE.onnx, the
-    fp32 one removed): the file name."""
+                 batched=False, plan=None) -> str:
+    """Export the target graph as folder/NAME.onnx, quantized to `dtype` with weight plan `plan`
+    (then NAME_DTYPE.onnx, the fp32 one removed): the file name."""
     from .quantize import quantize
     from .target import export_onnx
 
@@ -161,7 +195,7 @@ def export_graph(model, tap_ids, max_len, attention, folder: Path, name: str, dt
         return fp32_path.name
     progress(f"quantizing to {dtype} ({ {'q4': 'MatMulQ4', 'q8': 'MatMulQ8'}.get(matmul, 'MatMulNBits')})")
     graph = f"{name}_{dtype}.onnx"
-    quantize(fp32_path, folder / graph, dtype, matmul)
+    quantize(fp32_path, folder / graph, dtype, matmul, plan=plan)
     fp32_path.unlink()
     (folder / f"{name}.onnx.data").unlink()
     return graph

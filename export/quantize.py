@@ -40,12 +40,73 @@ def kernel_for(dtype: str, attention: str, requested: str | None = None) -> str 
     return OWN_KERNELS[dtype][0] if attention == "custom" else "nbits"
 
 
-def quantize(src: Path, dst: Path, dtype: str, kernel: str = "nbits", block_size: int = 32) -> None:
-    """Rewrite every constant-weight MatMul of `src` for `dtype` with `kernel` and save to `dst`."""
+class WeightPlan:
+    """How each constant MatMul weight of a graph becomes a BlockWeight (export/blocks.py):
+
+    - from a GGUF source, the file's own blocks wherever its tensors hold the weight
+      (export/gguf_blocks.py: exact, so the quantized bundle multiplies by the fp32 bundle's
+      weights); at int8 they are widened to MatMulQ8, still exact;
+    - otherwise int4 weights get searched asymmetric blocks (weighted by `importance`, E[a^2] per
+      input row measured on a calibration text, where given) and int8 weights symmetric
+      round-to-nearest; the lm_head is int8 at either dtype (as llama.cpp and onnxruntime-genai's
+      int8-lm_head modes keep the output layer), unless `lm_head_bits` says otherwise;
+    - `symmetric_only`: symmetric round-to-nearest everywhere (drafters: speed, not fidelity).
+
+    Results are cached by value, so the export check sees exactly the weights the graph holds."""
+
+    def __init__(self, dtype: str, gguf=None, importance: dict | None = None, lm_head_bits: int = 8,
+                 symmetric_only: bool = False):
+        self.bits, self.gguf, self.importance = BITS[dtype], gguf, importance or {}
+        self.lm_head_bits, self.symmetric_only = max(lm_head_bits, BITS[dtype]), symmetric_only
+        self.cache: dict[bytes, object] = {}
+        self.counts: Counter = Counter()
+
+    def __call__(self, w, lm_head: bool = False):
+        from .blocks import searched, symmetric
+        from .imatrix import weight_key
+
+        key = weight_key(w) + bytes([lm_head])
+        if key in self.cache:
+            return self.cache[key]
+        found = self.gguf.find(w) if self.gguf is not None and not self.symmetric_only else None
+        if found is not None:
+            weight = found.widened(self.bits, found.offsets is not None)
+            kind = "kept from the GGUF" + ("" if weight.exact else " (near-exact)")
+        elif self.symmetric_only:
+            weight, kind = symmetric(w, self.bits), "round-to-nearest"
+        elif lm_head or self.bits == 8:  # float16 scales, as GGUF's Q8_0
+            weight, kind = symmetric(w, self.lm_head_bits if lm_head else self.bits, half=True), "round-to-nearest"
+        else:
+            importance = self.importance.get(weight_key(w))
+            weight = searched(w, self.bits, importance)
+            kind = "searched" + (" with the importance matrix" if importance is not None else "")
+        self.counts[f"{kind} ({'MatMulQ4' if weight.bits == 4 else 'MatMulQ8'}"
+                    f"{', asymmetric' if weight.offsets is not None else ''})"] += 1
+        self.cache[key] = weight
+        return weight
+
+    def summary(self) -> str:
+        return "; ".join(f"{n} {kind}" for kind, n in sorted(self.counts.items()))
+
+
+def weight_plan(source_path: str, dtype: str, importance: dict | None = None) -> WeightPlan:
+    """The plan for a target exported from `source_path` (a GGUF file or a model folder)."""
+    gguf = None
+    if str(source_path).endswith(".gguf"):
+        from .gguf_blocks import GGUFBlocks
+
+        gguf = GGUFBlocks(source_path)
+    return WeightPlan(dtype, gguf=gguf, importance=importance)
+
+
+def quantize(src: Path, dst: Path, dtype: str, kernel: str = "nbits", block_size: int = 32,
+             plan: WeightPlan | None = None) -> None:
+    """Rewrite every constant-weight MatMul of `src` for `dtype` with `kernel` and save to `dst`;
+    our kernels take the weights `plan` gives (default: symmetric round-to-nearest)."""
     if kernel in ("q4", "q8"):
         if OWN_KERNELS[dtype][0] != kernel:
             raise ValueError(f"the {kernel} kernel does not quantize {dtype}")
-        quantize_own(src, dst, dtype)
+        quantize_own(src, dst, plan or WeightPlan(dtype, symmetric_only=True))
         return
     import onnx
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
@@ -58,21 +119,30 @@ def quantize(src: Path, dst: Path, dtype: str, kernel: str = "nbits", block_size
     quantizer.model.save_model_to_file(str(dst), use_external_data_format=True)
 
 
-def quantize_own(src: Path, dst: Path, dtype: str) -> None:
+def lm_head_weight(graph) -> str | None:
+    """The weight initializer of the MatMul that makes the graph's logits (directly or through a
+    bias Add), or None."""
+    producer = {out: node for node in graph.node for out in node.output}
+    node = producer.get("logits")
+    if node is not None and node.op_type == "Add":
+        node = next((producer[i] for i in node.input if i in producer and producer[i].op_type == "MatMul"), None)
+    return node.input[1] if node is not None and node.op_type == "MatMul" else None
+
+
+def quantize_own(src: Path, dst: Path, plan: WeightPlan) -> None:
     """Replace each MatMul whose weight is a constant [K, N] with K a multiple of 32 by
-    ai.dflash MatMulQ4 (int4) or MatMulQ8 (int8)."""
+    ai.dflash MatMulQ4 or MatMulQ8, as `plan` quantizes its weight (with the offsets input for
+    asymmetric blocks)."""
     import onnx
     from onnx import helper, numpy_helper
 
-    from dflash.ops.reference import Q4_BLOCK, pack_q4, pack_q8
-
-    kernel, op_type = OWN_KERNELS[dtype]
-    pack = {"q4": pack_q4, "q8": pack_q8}[kernel]
+    from dflash.ops.reference import Q4_BLOCK
 
     model = onnx.load(str(src))
     graph = model.graph
     weights = {init.name: init for init in graph.initializer}
     uses = Counter(name for node in graph.node for name in node.input)
+    head = lm_head_weight(graph)
     nodes = []
     for node in graph.node:
         w = weights.get(node.input[1]) if node.op_type == "MatMul" and len(node.input) == 2 else None
@@ -80,12 +150,14 @@ def quantize_own(src: Path, dst: Path, dtype: str) -> None:
             nodes.append(node)
             continue
         K, N = (int(d) for d in w.dims)
-        packed, scales = pack(numpy_helper.to_array(w))
+        weight = plan(numpy_helper.to_array(w), lm_head=node.input[1] == head)
+        kernel, op_type = ("q4", "MatMulQ4") if weight.bits == 4 else ("q8", "MatMulQ8")
         base = node.input[1]
-        graph.initializer.extend([numpy_helper.from_array(packed, f"{base}_{kernel}"),
-                                  numpy_helper.from_array(scales, f"{base}_{kernel}_scales")])
-        nodes.append(helper.make_node(op_type, [node.input[0], f"{base}_{kernel}", f"{base}_{kernel}_scales"],
-                                      list(node.output), name=f"{node.name}_{kernel}", domain=OPS_DOMAIN, K=K, N=N))
+        names = [f"{base}_{kernel}", f"{base}_{kernel}_scales", f"{base}_{kernel}_offsets"]
+        packed = weight.packed()
+        graph.initializer.extend(numpy_helper.from_array(a, n) for a, n in zip(packed, names))
+        nodes.append(helper.make_node(op_type, [node.input[0], *names[:len(packed)]], list(node.output),
+                                      name=f"{node.name}_{kernel}", domain=OPS_DOMAIN, K=K, N=N))
         uses[base] -= 1
     del graph.node[:]
     graph.node.extend(nodes)

@@ -13,6 +13,7 @@
 // paths (AVX-512 VNNI, AVX2+FMA, portable) give the same bits.
 
 #include <cmath>
+#include <type_traits>
 
 #include "quantized_matmul.h"
 
@@ -42,15 +43,14 @@ void tile_portable(const Job& job, int64_t t) {
     float acc[kTile] = {};
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* tb = job.tile_block(t, b);
-      const float* sb = job.tile_scales(t, b);
       const int8_t* q = qa.q.data() + m * K + b * kBlock;
       const float sa = qa.scale[m * KB + b];
       for (int64_t c = 0; c < kTile; ++c) {
         int32_t dot = qa.offset[m * KB + b];
         for (int64_t k = 0; k < kBlock; ++k) dot += q[k] * nibble(tb, k, c);
-        const float s = sa * sb[c];
+        const float s = sa * param_at(job, job.scales, t, b, c);
         acc[c] = std::fma(static_cast<float>(dot), s, acc[c]);
-        if (job.offsets) acc[c] = std::fma(job.tile_offsets(t, b)[c], qa.total[m * KB + b], acc[c]);
+        if (job.offsets) acc[c] = std::fma(param_at(job, job.offsets, t, b, c), qa.total[m * KB + b], acc[c]);
       }
     }
     std::memcpy(job.y + m * job.N + t * kTile, acc, static_cast<size_t>(job.width(t)) * sizeof(float));
@@ -63,7 +63,7 @@ void tile_portable(const Job& job, int64_t t) {
 // int32 dot for the block, then takes the same float step as tile_portable (Asym: and the offset
 // step). Registers: R chains, R float accumulators and a few for the weights, within the 32 of
 // AVX-512.
-template <int R, bool Asym>
+template <int R, bool Asym, bool Half>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(const Job& job, int64_t t,
                                                                                int64_t m0) {
   const int64_t K = job.K, KB = K / kBlock;
@@ -96,14 +96,15 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(con
         dot[r][kChains - 1] = _mm512_dpbusd_epi32(dot[r][kChains - 1], hi, _mm512_set1_epi32(quad_at(qb + 16)));
       }
     }
-    const __m512 sb = _mm512_loadu_ps(job.tile_scales(t, b));
+    using P = std::conditional_t<Half, uint16_t, float>;
+    const __m512 sb = params16<Half>(job.tile_scales<P>(t, b));
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_mul_ps(_mm512_set1_ps(sa[r * KB + b]), sb);
       const __m512i d = kChains == 2 ? _mm512_add_epi32(dot[r][0], dot[r][1]) : dot[r][0];
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(d), s, acc[r]);
     }
     if (Asym) {
-      const __m512 ob = _mm512_loadu_ps(job.tile_offsets(t, b));
+      const __m512 ob = params16<Half>(job.tile_offsets<P>(t, b));
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(ob, _mm512_set1_ps(total[r * KB + b]), acc[r]);
     }
   }
@@ -112,17 +113,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void tile_rows_avx512(con
 }
 
 constexpr int kRowsAvx512 = 8;
-// [asymmetric][rows]
-const RowsFn rows_avx512[2][kRowsAvx512 + 1] = {
-    {nullptr, tile_rows_avx512<1, false>, tile_rows_avx512<2, false>, tile_rows_avx512<3, false>,
-     tile_rows_avx512<4, false>, tile_rows_avx512<5, false>, tile_rows_avx512<6, false>, tile_rows_avx512<7, false>,
-     tile_rows_avx512<8, false>},
-    {nullptr, tile_rows_avx512<1, true>, tile_rows_avx512<2, true>, tile_rows_avx512<3, true>,
-     tile_rows_avx512<4, true>, tile_rows_avx512<5, true>, tile_rows_avx512<6, true>, tile_rows_avx512<7, true>,
-     tile_rows_avx512<8, true>}};
-void tile_avx512(const Job& job, int64_t t) {
-  tile_in_row_groups<kRowsAvx512>(job, t, rows_avx512[job.offsets != nullptr]);
-}
+template <bool Asym, bool Half>
+constexpr RowsFn rows_avx512[kRowsAvx512 + 1] = {
+    nullptr,
+    tile_rows_avx512<1, Asym, Half>,
+    tile_rows_avx512<2, Asym, Half>,
+    tile_rows_avx512<3, Asym, Half>,
+    tile_rows_avx512<4, Asym, Half>,
+    tile_rows_avx512<5, Asym, Half>,
+    tile_rows_avx512<6, Asym, Half>,
+    tile_rows_avx512<7, Asym, Half>,
+    tile_rows_avx512<8, Asym, Half>};
+const RowsFn* const tables_avx512[2][2] = {{rows_avx512<false, false>, rows_avx512<false, true>},
+                                           {rows_avx512<true, false>, rows_avx512<true, true>}};
+void tile_avx512(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx512>(job, t, rows_for(job, tables_avx512)); }
 
 // AVX2 (no VNNI): u8 x s8 products summed in pairs by maddubs; 8 groups of 4 sum to at most
 // 8 * 2 * 15 * 127 = 30480 per 16-bit lane, so the integer dot is exact, and the float part is the
@@ -131,8 +135,8 @@ void tile_avx512(const Job& job, int64_t t) {
 // the unpacked weights of both halves take the 16 registers, and the float accumulators live in
 // memory (one load and store per block and row; single-thread, weights in L2: 64 -> 85 GMAC/s at
 // one row, 101 -> 119 at four, against a pass per half).
-template <int R, bool Asym>
-__attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t t, int64_t m0) {
+template <int R, bool Asym, bool Half>
+__attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const Job& job, int64_t t, int64_t m0) {
   const int64_t K = job.K, KB = K / kBlock;
   const int8_t* q = job.rows->q.data() + m0 * K;
   const float* sa = job.rows->scale.data() + m0 * KB;
@@ -161,16 +165,17 @@ __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t 
         keep_in_register(pairs[r][1]);
       }
     }
-    const float* sbp = job.tile_scales(t, b);
+    using P = std::conditional_t<Half, uint16_t, float>;
+    const P* sbp = job.tile_scales<P>(t, b);
     for (int r = 0; r < R; ++r) {
       const __m256i zero_point = _mm256_set1_epi32(offset[r * KB + b]);
       const __m256 sar = _mm256_set1_ps(sa[r * KB + b]);
       for (int h = 0; h < 2; ++h) {
         const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs[r][h], ones), zero_point);
-        const __m256 s = _mm256_mul_ps(sar, _mm256_loadu_ps(sbp + 8 * h));
+        const __m256 s = _mm256_mul_ps(sar, params8<Half>(sbp + 8 * h));
         __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, _mm256_load_ps(acc[r] + 8 * h));
         if (Asym)
-          sum = _mm256_fmadd_ps(_mm256_loadu_ps(job.tile_offsets(t, b) + 8 * h), _mm256_set1_ps(total[r * KB + b]), sum);
+          sum = _mm256_fmadd_ps(params8<Half>(job.tile_offsets<P>(t, b) + 8 * h), _mm256_set1_ps(total[r * KB + b]), sum);
         _mm256_store_ps(acc[r] + 8 * h, sum);
       }
     }
@@ -181,10 +186,12 @@ __attribute__((target("avx2,fma"))) void tile_rows_avx2(const Job& job, int64_t 
 }
 
 constexpr int kRowsAvx2 = 4;
-const RowsFn rows_avx2[2][kRowsAvx2 + 1] = {
-    {nullptr, tile_rows_avx2<1, false>, tile_rows_avx2<2, false>, tile_rows_avx2<3, false>, tile_rows_avx2<4, false>},
-    {nullptr, tile_rows_avx2<1, true>, tile_rows_avx2<2, true>, tile_rows_avx2<3, true>, tile_rows_avx2<4, true>}};
-void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t, rows_avx2[job.offsets != nullptr]); }
+template <bool Asym, bool Half>
+constexpr RowsFn rows_avx2[kRowsAvx2 + 1] = {nullptr, tile_rows_avx2<1, Asym, Half>, tile_rows_avx2<2, Asym, Half>,
+                                             tile_rows_avx2<3, Asym, Half>, tile_rows_avx2<4, Asym, Half>};
+const RowsFn* const tables_avx2[2][2] = {{rows_avx2<false, false>, rows_avx2<false, true>},
+                                         {rows_avx2<true, false>, rows_avx2<true, true>}};
+void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t, rows_for(job, tables_avx2)); }
 #endif
 
 }  // namespace

@@ -14,6 +14,7 @@
 // in float. The three paths (AVX-512 VNNI, AVX2+FMA, portable) give the same bits.
 
 #include <cmath>
+#include <type_traits>
 
 #include "quantized_matmul.h"
 
@@ -36,14 +37,13 @@ void tile_portable(const Job& job, int64_t t) {
     float acc[kTile] = {};
     for (int64_t b = 0; b < KB; ++b) {
       const uint8_t* tb = job.tile_block(t, b);
-      const float* sb = job.tile_scales(t, b);
       const int8_t* q = qa.q.data() + m * K + b * kBlock;
       const float sa = qa.scale[m * KB + b];
       for (int64_t c = 0; c < kTile; ++c) {
         int32_t dot = qa.offset[m * KB + b];
         for (int64_t k = 0; k < kBlock; ++k) dot += q[k] * tb[64 * (k / 4) + 4 * c + k % 4];
-        acc[c] = std::fma(static_cast<float>(dot), sa * sb[c], acc[c]);
-        if (job.offsets) acc[c] = std::fma(job.tile_offsets(t, b)[c], qa.total[m * KB + b], acc[c]);
+        acc[c] = std::fma(static_cast<float>(dot), sa * param_at(job, job.scales, t, b, c), acc[c]);
+        if (job.offsets) acc[c] = std::fma(param_at(job, job.offsets, t, b, c), qa.total[m * KB + b], acc[c]);
       }
     }
     std::memcpy(job.y + m * job.N + t * kTile, acc, static_cast<size_t>(job.width(t)) * sizeof(float));
@@ -55,7 +55,7 @@ void tile_portable(const Job& job, int64_t t) {
 // feeds one VNNI dot product per row, started at the row's -128 * sum(q); then the same float step
 // as tile_portable (Asym: and the offset step). Registers: R dots and R float accumulators, within
 // the 32 of AVX-512.
-template <int R, bool Asym>
+template <int R, bool Asym, bool Half>
 __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const Job& job, int64_t t, int64_t m0) {
   const int64_t K = job.K, KB = K / kBlock;
   const int8_t* q = job.rows->q.data() + m0 * K;
@@ -74,13 +74,14 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const Jo
       for (int r = 0; r < R; ++r)
         dot[r] = _mm512_dpbusd_epi32(dot[r], u, _mm512_set1_epi32(quad_at(q + r * K + b * kBlock + 4 * g)));
     }
-    const __m512 sb = _mm512_loadu_ps(job.tile_scales(t, b));
+    using P = std::conditional_t<Half, uint16_t, float>;
+    const __m512 sb = params16<Half>(job.tile_scales<P>(t, b));
     for (int r = 0; r < R; ++r) {
       const __m512 s = _mm512_mul_ps(_mm512_set1_ps(sa[r * KB + b]), sb);
       acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(dot[r]), s, acc[r]);
     }
     if (Asym) {
-      const __m512 ob = _mm512_loadu_ps(job.tile_offsets(t, b));
+      const __m512 ob = params16<Half>(job.tile_offsets<P>(t, b));
       for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(ob, _mm512_set1_ps(total[r * KB + b]), acc[r]);
     }
   }
@@ -89,15 +90,20 @@ __attribute__((target("avx512f,avx512bw,avx512vnni"))) void rows_avx512(const Jo
 }
 
 constexpr int kRowsAvx512 = 8;
-// [asymmetric][rows]
-const RowsFn rows_avx512_fns[2][kRowsAvx512 + 1] = {
-    {nullptr, rows_avx512<1, false>, rows_avx512<2, false>, rows_avx512<3, false>, rows_avx512<4, false>,
-     rows_avx512<5, false>, rows_avx512<6, false>, rows_avx512<7, false>, rows_avx512<8, false>},
-    {nullptr, rows_avx512<1, true>, rows_avx512<2, true>, rows_avx512<3, true>, rows_avx512<4, true>,
-     rows_avx512<5, true>, rows_avx512<6, true>, rows_avx512<7, true>, rows_avx512<8, true>}};
-void tile_avx512(const Job& job, int64_t t) {
-  tile_in_row_groups<kRowsAvx512>(job, t, rows_avx512_fns[job.offsets != nullptr]);
-}
+template <bool Asym, bool Half>
+constexpr RowsFn rows_avx512_fns[kRowsAvx512 + 1] = {
+    nullptr,
+    rows_avx512<1, Asym, Half>,
+    rows_avx512<2, Asym, Half>,
+    rows_avx512<3, Asym, Half>,
+    rows_avx512<4, Asym, Half>,
+    rows_avx512<5, Asym, Half>,
+    rows_avx512<6, Asym, Half>,
+    rows_avx512<7, Asym, Half>,
+    rows_avx512<8, Asym, Half>};
+const RowsFn* const tables_avx512[2][2] = {{rows_avx512_fns<false, false>, rows_avx512_fns<false, true>},
+                                           {rows_avx512_fns<true, false>, rows_avx512_fns<true, true>}};
+void tile_avx512(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx512>(job, t, rows_for(job, tables_avx512)); }
 
 // AVX2 has no VNNI, and maddubs (u8 x s8 pairs summed to int16) would saturate on 255 * 127 * 2.
 // So each weight byte is split into nibbles, u = 16 * hi + lo, and dot(q, u) = 16 * dot(q, hi) +
@@ -105,8 +111,8 @@ void tile_avx512(const Job& job, int64_t t) {
 // exact, as in MatMulQ4's AVX2 path. The float part is the same fma sequence: the same bits.
 // Eight columns per register, so each half of a tile runs its own pass over the blocks, R rows
 // (1..4) at a time.
-template <int R, bool Asym>
-__attribute__((target("avx2,fma"))) void rows_avx2(const Job& job, int64_t t, int64_t m0) {
+template <int R, bool Asym, bool Half>
+__attribute__((target("avx2,fma,f16c"))) void rows_avx2(const Job& job, int64_t t, int64_t m0) {
   const int64_t K = job.K, KB = K / kBlock;
   const int8_t* q = job.rows->q.data() + m0 * K;
   const float* sa = job.rows->scale.data() + m0 * KB;
@@ -133,7 +139,8 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& job, int64_t t, in
           keep_in_register(hi_sum[r]);
         }
       }
-      const __m256 sb = _mm256_loadu_ps(job.tile_scales(t, b) + 8 * half);
+      using P = std::conditional_t<Half, uint16_t, float>;
+      const __m256 sb = params8<Half>(job.tile_scales<P>(t, b) + 8 * half);
       for (int r = 0; r < R; ++r) {
         // 16 * hi + lo, widened to int32 pairwise (madd), plus the -128 * sum(q) offset
         const __m256i dot = _mm256_add_epi32(
@@ -143,7 +150,7 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& job, int64_t t, in
         acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, acc[r]);
       }
       if (Asym) {
-        const __m256 ob = _mm256_loadu_ps(job.tile_offsets(t, b) + 8 * half);
+        const __m256 ob = params8<Half>(job.tile_offsets<P>(t, b) + 8 * half);
         for (int r = 0; r < R; ++r) acc[r] = _mm256_fmadd_ps(ob, _mm256_set1_ps(total[r * KB + b]), acc[r]);
       }
     }
@@ -157,10 +164,12 @@ __attribute__((target("avx2,fma"))) void rows_avx2(const Job& job, int64_t t, in
 }
 
 constexpr int kRowsAvx2 = 4;
-const RowsFn rows_avx2_fns[2][kRowsAvx2 + 1] = {
-    {nullptr, rows_avx2<1, false>, rows_avx2<2, false>, rows_avx2<3, false>, rows_avx2<4, false>},
-    {nullptr, rows_avx2<1, true>, rows_avx2<2, true>, rows_avx2<3, true>, rows_avx2<4, true>}};
-void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t, rows_avx2_fns[job.offsets != nullptr]); }
+template <bool Asym, bool Half>
+constexpr RowsFn rows_avx2_fns[kRowsAvx2 + 1] = {nullptr, rows_avx2<1, Asym, Half>, rows_avx2<2, Asym, Half>,
+                                                 rows_avx2<3, Asym, Half>, rows_avx2<4, Asym, Half>};
+const RowsFn* const tables_avx2[2][2] = {{rows_avx2_fns<false, false>, rows_avx2_fns<false, true>},
+                                         {rows_avx2_fns<true, false>, rows_avx2_fns<true, true>}};
+void tile_avx2(const Job& job, int64_t t) { tile_in_row_groups<kRowsAvx2>(job, t, rows_for(job, tables_avx2)); }
 #endif
 
 }  // namespace

@@ -128,6 +128,11 @@ struct QuantizedMatMulKernel {
     const auto a = ctx.GetInput(0), weight = ctx.GetInput(1), scales = ctx.GetInput(2);
     const auto offsets = inputs == 4 ? ctx.GetInput(3) : Ort::ConstValue{nullptr};
     const bool asymmetric = static_cast<const OrtValue*>(offsets) != nullptr;
+    const auto scale_type = scales.GetTensorTypeAndShapeInfo().GetElementType();
+    const bool half = scale_type == ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16;
+    if (!half && scale_type != ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT) fail("scales must be float or float16");
+    if (asymmetric && offsets.GetTensorTypeAndShapeInfo().GetElementType() != scale_type)
+      fail("offsets must have the scales' type (float or float16)");
     const auto a_shape = a.GetTensorTypeAndShapeInfo().GetShape();
     if (a_shape.empty() || a_shape.back() != K) fail("input a ", shape_str(a_shape), " must end in K = ", K);
     const int64_t T = (N + kQTile - 1) / kQTile, KB = K / kQBlock;
@@ -155,8 +160,8 @@ struct QuantizedMatMulKernel {
     // Asymmetric codes have no zero point: their offset term is the float one (total x offsets).
     quantize(a.GetTensorData<float>(), blocks, asymmetric ? 0 : format->zero_point, rows.q.data(), rows.scale.data(),
              rows.offset.data(), rows.total.data());
-    const Job job{&rows, weight.GetTensorData<uint8_t>(), scales.GetTensorData<float>(),
-                  asymmetric ? offsets.GetTensorData<float>() : nullptr, y, M, K, N, format->tile_bytes};
+    const Job job{&rows, weight.GetTensorData<uint8_t>(), scales.GetTensorRawData(),
+                  asymmetric ? offsets.GetTensorRawData() : nullptr, half, y, M, K, N, format->tile_bytes};
     // Tiles in kTileBatches runs: taking thousands of tiles one by one (the lm_head has 3072)
     // costs an atomic add on a counter both cores write, per tile.
     parallel_for(context, T, [&](int64_t t) { tile(job, t); }, "a tile failed", std::min<int64_t>(T, kTileBatches));
@@ -200,7 +205,9 @@ struct QuantizedMatMulOp : Ort::CustomOpBase<QuantizedMatMulOp, QuantizedMatMulK
                       : OrtCustomOpInputOutputCharacteristic::INPUT_OUTPUT_REQUIRED;
   }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    return index == 1 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8 : ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
+    if (index == 1) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8;
+    if (index >= 2) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // float or float16: checked in Compute
+    return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   size_t GetOutputTypeCount() const { return 1; }
   ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
@@ -217,7 +224,8 @@ KernelPath best_path() {
   if (cap != "avx2" && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
       __builtin_cpu_supports("avx512vnni"))
     return KernelPath::avx512;
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return KernelPath::avx2;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+    return KernelPath::avx2;
 #endif
   return KernelPath::portable;
 }

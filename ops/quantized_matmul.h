@@ -12,10 +12,11 @@
 // Inputs of both ops
 //   0 a       float [..., K]
 //   1 weight  uint8 [T, K/32, tile bytes]   T = ceil(N/16) tiles of 16 columns, blocks of 32 rows
-//   2 scales  float [T, K/32, 16]           one scale per block and column (padding columns: 0)
-//   3 offsets float [T, K/32, 16], optional  asymmetric blocks: W = u * scale + offset, u the stored
-//                                           code with no zero point (GGUF Q4_1 / Q4_K / Q5_1 / Q5_K:
-//                                           scale d, offset m, kept exactly); absent: W = (u - z) * scale
+//   2 scales  float or float16 [T, K/32, 16]  one scale per block and column (padding columns: 0);
+//                                           float16 holds GGUF's own d exactly in half the bytes
+//   3 offsets optional, scales' type [T, K/32, 16]  asymmetric blocks: W = u * scale + offset, u the
+//                                           stored code with no zero point (GGUF Q4_1 / Q4_K / Q5_1 /
+//                                           Q5_K: scale d, offset m, kept exactly); absent: W = (u - z) * scale
 // Attributes: K, N (ints).  Output: y float [..., N].
 //
 // Activations, per row: each block of 32 is quantized to int8 with its own scale sa = max|a| / 127,
@@ -61,17 +62,47 @@ struct QuantizedRows {
 struct Job {
   const QuantizedRows* rows;
   const uint8_t* weight;
-  const float* scales;
-  const float* offsets;  // null: symmetric blocks
+  const void* scales;   // float, or float16 when half
+  const void* offsets;  // the same type; null: symmetric blocks
+  bool half;
   float* y;
   int64_t M, K, N, tile_bytes;
 
   int64_t blocks() const { return K / kQBlock; }
   const uint8_t* tile_block(int64_t t, int64_t b) const { return weight + (t * blocks() + b) * tile_bytes; }
-  const float* tile_scales(int64_t t, int64_t b) const { return scales + (t * blocks() + b) * kQTile; }
-  const float* tile_offsets(int64_t t, int64_t b) const { return offsets + (t * blocks() + b) * kQTile; }
+  // The 16 scales / offsets of tile t, block b, as float or float16 (uint16_t) elements.
+  template <typename P>
+  const P* tile_scales(int64_t t, int64_t b) const { return static_cast<const P*>(scales) + (t * blocks() + b) * kQTile; }
+  template <typename P>
+  const P* tile_offsets(int64_t t, int64_t b) const { return static_cast<const P*>(offsets) + (t * blocks() + b) * kQTile; }
   int64_t width(int64_t t) const { return std::min(kQTile, N - t * kQTile); }  // real columns of tile t
 };
+
+// float16 -> float, exactly (normal, subnormal, zero, inf, nan), without F16C: the portable path.
+inline float half_to_float(uint16_t h) {
+  const uint32_t sign = (h & 0x8000u) << 16, exponent = (h >> 10) & 0x1F, mantissa = h & 0x3FF;
+  uint32_t bits;
+  if (exponent == 0x1F) {
+    bits = sign | 0x7F800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    bits = sign | ((exponent + 112) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    bits = sign;
+  } else {  // subnormal: value = mantissa * 2^-24
+    float value = static_cast<float>(mantissa) * 5.9604644775390625e-8f;
+    std::memcpy(&bits, &value, sizeof bits);
+    bits |= sign;
+  }
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// Parameter c (scale or offset) of a tile-block, as float.
+inline float param_at(const Job& job, const void* base, int64_t t, int64_t b, int64_t c) {
+  const int64_t i = (t * job.blocks() + b) * kQTile + c;
+  return job.half ? half_to_float(static_cast<const uint16_t*>(base)[i]) : static_cast<const float*>(base)[i];
+}
 
 using TileFn = void (*)(const Job&, int64_t t);
 
@@ -102,7 +133,24 @@ inline int32_t quad_at(const int8_t* q) {
   return v;
 }
 
+// A row-group table per weight format: [asymmetric][half] -> rows[1..R].
+inline const RowsFn* rows_for(const Job& job, const RowsFn* const (&tables)[2][2]) {
+  return tables[job.offsets != nullptr][job.half];
+}
+
 #ifdef DFLASH_QMM_X86
+// 16 or 8 parameters (scales or offsets) of a tile-block as float lanes.
+template <bool Half>
+__attribute__((target("avx512f"))) inline __m512 params16(const void* p) {
+  if (Half) return _mm512_cvtph_ps(_mm256_loadu_si256(static_cast<const __m256i*>(p)));
+  return _mm512_loadu_ps(static_cast<const float*>(p));
+}
+template <bool Half>
+__attribute__((target("avx2,f16c"))) inline __m256 params8(const void* p) {
+  if (Half) return _mm256_cvtph_ps(_mm_loadu_si128(static_cast<const __m128i*>(p)));
+  return _mm256_loadu_ps(static_cast<const float*>(p));
+}
+
 // Ask for the tile-block kPrefetchBlocks ahead (this tile's later blocks, then the next tile's): the
 // weights stream from memory once per call, and the hardware prefetcher alone leaves the dot
 // products waiting. Whole int4 model, 2 threads, past 256: 8 rows 9.2 -> 8.2 ms (AMD Zen 4); one

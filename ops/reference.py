@@ -168,8 +168,11 @@ def untile_codes(weight, bits, N):
 
 def dequantize(weight, scales, N, bits, offsets=None):
     """The dequantized W [K, N] that the op multiplies by, in float32 as the source formats
-    dequantize: (u - zero) * scale, or u * scale + offset (each rounded once)."""
+    dequantize: (u - zero) * scale, or u * scale + offset (each rounded once). Scales and offsets
+    may be float16 (widened exactly)."""
     u = untile_codes(weight, bits, N)
+    scales = np.asarray(scales, np.float32)
+    offsets = None if offsets is None else np.asarray(offsets, np.float32)
     per_row = lambda p: np.repeat(p.transpose(1, 0, 2).reshape(p.shape[1], -1)[:, :N], Q4_BLOCK, axis=0)
     if offsets is None:
         return ((u - ZERO[bits]).astype(np.float32) * per_row(scales)).astype(np.float32)
@@ -275,8 +278,11 @@ def accumulate_blocks(dots, sa, scales, offsets=None, totals=None):
 
 
 def quantized_matmul(a, weight, scales, N, bits, offsets=None):
-    """MatMulQ4 (bits 4) or MatMulQ8 (bits 8) in numpy, bit for bit: a [..., K] float32 -> [..., N]."""
+    """MatMulQ4 (bits 4) or MatMulQ8 (bits 8) in numpy, bit for bit: a [..., K] float32 -> [..., N]
+    (scales and offsets float32 or float16)."""
     a = np.asarray(a, dtype=np.float32)
+    scales = np.asarray(scales, np.float32)
+    offsets = None if offsets is None else np.asarray(offsets, np.float32)
     T, KB, _ = weight.shape
     q, sa = quantize_activations(a)
     u = untile_codes(weight, bits, T * Q4_TILE).reshape(KB, Q4_BLOCK, T * Q4_TILE)

@@ -23,12 +23,15 @@ class Op:
     tile_bytes: int
     error: float  # |y - a @ w| allowed, per sqrt(K): the weights' rounding
     asymmetric: bool = False  # with the offsets input
+    half: bool = False  # float16 scales (and offsets)
 
     def pack(self, w):
         """(packed, scales) or, asymmetric, (packed, scales, offsets)."""
         if self.asymmetric:
-            return reference.pack_asymmetric(w, self.bits)
-        return getattr(reference, f"pack_q{self.bits}")(w)
+            params = reference.pack_asymmetric(w, self.bits)
+        else:
+            params = getattr(reference, f"pack_q{self.bits}")(w)
+        return (params[0], *(p.astype(np.float16) for p in params[1:])) if self.half else params
 
     def reference(self, a, packed, scales, N, offsets=None):
         return reference.quantized_matmul(a, packed, scales, N, self.bits, offsets)
@@ -40,8 +43,11 @@ class Op:
 
 
 OPS = [Op("MatMulQ4", 4, 256, 0.05), Op("MatMulQ8", 8, 512, 0.01),
-       Op("MatMulQ4", 4, 256, 0.05, asymmetric=True), Op("MatMulQ8", 8, 512, 0.01, asymmetric=True)]
-by_name = pytest.mark.parametrize("op", OPS, ids=lambda op: op.name + ("-asymmetric" if op.asymmetric else ""))
+       Op("MatMulQ4", 4, 256, 0.05, asymmetric=True), Op("MatMulQ8", 8, 512, 0.01, asymmetric=True),
+       Op("MatMulQ4", 4, 256, 0.05, half=True), Op("MatMulQ4", 4, 256, 0.05, asymmetric=True, half=True),
+       Op("MatMulQ8", 8, 512, 0.01, asymmetric=True, half=True)]
+by_name = pytest.mark.parametrize(
+    "op", OPS, ids=lambda op: op.name + ("-asymmetric" if op.asymmetric else "") + ("-fp16" if op.half else ""))
 
 
 def random_weights(rng, K, N):
@@ -147,6 +153,24 @@ def test_leading_dimensions_and_empty_input(lib, op):
     assert sess.run(None, {"a": np.zeros((1, 0, 64), np.float32)})[0].shape == (1, 0, 32)
 
 
+@pytest.mark.parametrize("kernels", PATHS)
+def test_every_float16_parameter_is_widened_exactly(lib, monkeypatch, kernels):
+    """The portable path widens float16 parameters itself, the others with F16C: each of the 65536
+    values (zeros, subnormals, inf, nan) as an offset, times an activation sum of exactly 127."""
+    if kernels:
+        monkeypatch.setenv("DFLASH_OPS_KERNELS", kernels)
+    K, N = 32, 65536
+    offsets = np.arange(N, dtype=np.uint16).view(np.float16).reshape(1, N)
+    packed = reference.tile_codes(np.zeros((K, N), np.uint8), 4)
+    scales = reference.tile_params(np.zeros((1, N), np.float32), N).astype(np.float16)
+    offsets = reference.tile_params(offsets.astype(np.float32), N).astype(np.float16)
+    a = np.zeros((1, K), np.float32)
+    a[0, 0] = 127.0  # q = 127 with scale 1: total = 127
+    y = session(models.q4_model(K, N, packed, scales, ["M", K], offsets=offsets)).run(None, {"a": a})[0]
+    with np.errstate(invalid="ignore"):  # the nans
+        np.testing.assert_array_equal(y, reference.matmul_q4(a, packed, scales, N, offsets))
+
+
 def test_asymmetric_blocks_dequantize_as_gguf_q4_1_does():
     """u * scale + offset, one rounding in float32: constant blocks (scale 0) keep their value."""
     rng = np.random.default_rng(2)
@@ -185,6 +209,10 @@ def test_bad_inputs_are_clean_errors(lib, op):
         session(op.model(64, 32, packed, scales[:, :, :8].copy())).run(None, one_row)
     with pytest.raises(ORT_ERRORS, match=rf"{op.name}: offsets \[2,1,16\] must be \[2,2,16\] \(as scales\)"):
         session(op.model(64, 32, packed, scales, offsets=scales[:, :1].copy())).run(None, one_row)
+    with pytest.raises(ORT_ERRORS, match=rf"{op.name}: offsets must have the scales' type"):
+        session(op.model(64, 32, packed, scales, offsets=scales.astype(np.float16))).run(None, one_row)
+    with pytest.raises(ORT_ERRORS, match=rf"{op.name}: scales must be float or float16"):
+        session(op.model(64, 32, packed, scales.astype(np.float64))).run(None, one_row)
     with pytest.raises(ORT_ERRORS, match=rf"{op.name}: input a \[1,32\] must end in K = 64"):
         session(op.model(64, 32, packed, scales, a_shape=("M", "K"))).run(None, {"a": np.zeros((1, 32), np.float32)})
     with pytest.raises(ORT_ERRORS, match=f"{op.name}: K = 48 must be a positive multiple of 32"):

@@ -73,14 +73,19 @@ def test_export_check_and_manifest(tiny):
 @pytest.mark.parametrize("dtype,requested,matmul", [("int8", None, "q8"), ("int4", None, "q4"),
                                                     ("int4", "nbits", "nbits"), ("int8", "nbits", "nbits")])
 def test_quantized_export_runs(tiny, dtype, requested, matmul):
-    """With the op library: our MatMulQ4 (int4) or MatMulQ8 (int8), row-count independent, no
-    padding row; unless --matmul nbits: ORT's MatMulNBits, whose one-row calls get a padding row."""
+    """With the op library: our MatMulQ4 (int4, with an int8 lm_head) or MatMulQ8 (int8), row-count
+    independent, no padding row; unless --matmul nbits: ORT's MatMulNBits, whose one-row calls get
+    a padding row."""
     bundle, _ = tiny("llama", dtype=dtype, **({"matmul": requested} if requested else {}))
     model = Model(bundle)
-    assert model.bundle.graphs["target"] == {"file": f"target_{dtype}.onnx", "dtype": dtype, "matmul": matmul}
+    graph = model.bundle.graphs["target"]
+    assert {k: v for k, v in graph.items() if k != "weights"} == {"file": f"target_{dtype}.onnx", "dtype": dtype,
+                                                                   "matmul": matmul}
     ops = {node.op_type for node in onnx.load(str(bundle / f"target_{dtype}.onnx"), load_external_data=False).graph.node}
-    own = {"q4": "MatMulQ4", "q8": "MatMulQ8"}
-    assert ops & {"MatMulQ4", "MatMulQ8", "MatMulNBits", "MatMul"} == {own.get(matmul, "MatMulNBits")}
+    own = {"q4": {"MatMulQ4", "MatMulQ8"}, "q8": {"MatMulQ8"}}
+    assert ops & {"MatMulQ4", "MatMulQ8", "MatMulNBits", "MatMul"} == own.get(matmul, {"MatMulNBits"})
+    if matmul == "q4":  # 4 layers x 4 projections searched, the lm_head int8
+        assert graph["weights"] == {"searched (MatMulQ4, asymmetric)": 16, "round-to-nearest (MatMulQ8)": 1}
     assert model.target.min_rows == (2 if matmul == "nbits" else 1)
     result = model.generate("the quick brown fox", max_new_tokens=8)
     assert result.stats.new_tokens >= 1
@@ -116,8 +121,9 @@ def test_taps_are_the_tapped_layers_outputs(tiny):
 
 @pytest.mark.parametrize("dtype", ["int4", "int8"])
 def test_export_check_fails_on_a_corrupted_quantized_weight(tiny, tmp_path, dtype):
-    """The quantized export's check compares against the source weights quantized independently,
-    so a wrong quantized weight in the graph fails it (it passes on the graph as exported)."""
+    """The quantized export's check compares against the source weights quantized by the weight
+    plan, not read back from the graph, so a wrong quantized weight in the graph fails it (it
+    passes on the graph as exported)."""
     import shutil
 
     import onnx
@@ -125,6 +131,7 @@ def test_export_check_fails_on_a_corrupted_quantized_weight(tiny, tmp_path, dtyp
 
     from dflash.export import sources
     from dflash.export.check import check_target
+    from dflash.export.quantize import weight_plan
 
     bundle, hf = tiny("llama", dtype=dtype)
     info = Model(bundle).bundle
@@ -139,5 +146,8 @@ def test_export_check_fails_on_a_corrupted_quantized_weight(tiny, tmp_path, dtyp
     packed.CopyFrom(numpy_helper.from_array(values, packed.name))
     (broken / (graph.name + ".data")).unlink()
     onnx.save(model, str(graph), save_as_external_data=True, location=graph.name + ".data")
-    result = check_target(sources.load(str(hf)).model, info.taps, broken)
+    plan = weight_plan(str(hf), dtype)
+    model = sources.load(str(hf)).model
+    result = check_target(model, info.taps, broken, plan=plan)
     assert not result["passed"] and result["logits"] > result["logits_bound"]
+    assert check_target(model, info.taps, bundle, plan=plan)["passed"]

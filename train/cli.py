@@ -99,7 +99,7 @@ def data(bundle, out, answer_tokens, max_new_tokens, threads, seed, target_dtype
     elif target_dtype == "int4":
         from .int4_target import emulate_int4
 
-        emulate_int4(source.model)
+        emulate_int4(source.model, source.path)
     if requests is not None:
         prefix = "p" + prefix
     elif recipe == "2":

@@ -333,7 +333,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         d2t = draft_vocabulary(rows, draft_vocab, tc.vocab_size) if d2t is None else d2t
     cache = LabelCache(cache_dir, rows, manifest["taps"], tc.hidden_size, d2t, target_dtype)
     if cache.done < len(cache.stored):
-        cache.build(labeller(target, target_dtype), echo)
+        cache.build(labeller(target, target_dtype, source_path=target_source.path), echo)
     train_ids, held_ids = held_out_split(len(rows))  # for the acceptance estimate
     pools = [train_ids]  # training rows by kind; a step draws a kind, then a row of it
     if int4_data_dirs:
@@ -342,7 +342,7 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
         kind = "int4 bundle" if int4_bundle else "int4"
         cache4 = LabelCache(Path(cache_dir) / "int4", rows4, manifest["taps"], tc.hidden_size, d2t, kind)
         if cache4.done < len(cache4.stored):
-            cache4.build(labeller(target, "int4", int4_bundle, manifest["taps"]), echo)
+            cache4.build(labeller(target, "int4", int4_bundle, manifest["taps"], target_source.path), echo)
         train4, held4 = held_out_split(len(rows4), len(rows))
         rows, cache = rows + rows4, MixedCaches(cache, cache4)
         held_ids = held_ids + held4
@@ -412,9 +412,10 @@ def train(target_source, manifest: dict, data_dirs, out, cache_dir, layers=1, bl
     return state
 
 
-def labeller(target, target_dtype: str, bundle=None, taps=()):
+def labeller(target, target_dtype: str, bundle=None, taps=(), source_path=None):
     """The model whose forward gives the cache its features and labels: `bundle` (an exported
-    target, run in ONNX Runtime), else the transformers target (int4: emulating MatMulQ4)."""
+    target, run in ONNX Runtime), else the transformers target (int4: emulating the int4 bundle
+    exported from `source_path`)."""
     if bundle is not None:
         import torch
 
@@ -430,7 +431,7 @@ def labeller(target, target_dtype: str, bundle=None, taps=()):
 
     from .int4_target import emulate_int4
 
-    return emulate_int4(copy.deepcopy(target))  # a copy: the drafter keeps the fp32 embedding and lm_head
+    return emulate_int4(copy.deepcopy(target), source_path)  # a copy: the drafter keeps the fp32 embedding and lm_head
 
 
 def saved_vocabulary(folder: Path, size: int):

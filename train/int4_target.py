@@ -1,10 +1,11 @@
 """A torch target that computes like an int4 bundle, for labelling data the way users run it.
 
-An int4 bundle's MatMuls run on MatMulQ4: 4-bit weights in blocks of 32 along K, and activations
-quantized to int8 per block of 32 (ops/quantized_matmul.h). Here every Linear of a transformers
-model gets the same dequantized weights (`unpack_q4(pack_q4(W))`) and quantizes its input the same
-way in a forward pre-hook. The result differs from the int4 graph only in float summation order:
-its taps differ from the int4 graph's by ~1% where fp32's differ by 10-15% (the default model).
+An int4 bundle's MatMuls run on MatMulQ4 (and MatMulQ8 for the lm_head): weights in blocks of 32
+along K as the export's weight plan makes them (export/quantize.py: a GGUF's own blocks, searched
+blocks from other sources), and activations quantized to int8 per block of 32
+(ops/quantized_matmul.h). Here every Linear of a transformers model gets the same dequantized
+weights and quantizes its input the same way in a forward pre-hook. The result differs from the
+int4 graph only in float summation order.
 """
 
 from __future__ import annotations
@@ -24,18 +25,22 @@ def quantize_input(module, args):
     return torch.from_numpy((q * scale[..., None]).astype(np.float32).reshape(x.shape)),
 
 
-def emulate_int4(model):
-    """Give every Linear with a multiple of 32 inputs (what the exporter quantizes) MatMulQ4's
-    weights and input rounding, in place; returns the model. Tied embeddings are untied first:
-    the embedding table stays fp32 in the bundle."""
+def emulate_int4(model, source_path: str | None = None):
+    """Give every Linear with a multiple of 32 inputs (what the exporter quantizes) the int4
+    bundle's weights and input rounding, in place; returns the model. `source_path`: the model's
+    GGUF or folder, whose export's weight plan gives the weights (None: symmetric blocks, the
+    plan of drafters). Tied embeddings are untied first: the embedding table stays fp32 in the
+    bundle."""
     import torch
 
-    from dflash.ops.reference import pack_q4, unpack_q4
+    from dflash.export.quantize import WeightPlan, weight_plan
 
+    plan = weight_plan(source_path, "int4") if source_path else WeightPlan("int4", symmetric_only=True)
+    head = model.get_output_embeddings()
     for module in model.modules():
         if isinstance(module, torch.nn.Linear) and module.in_features % 32 == 0:
             w = module.weight.detach().float().t().numpy()  # [K, N], as the exported MatMul holds it
-            dequantized = unpack_q4(*pack_q4(w), w.shape[1]).T.copy()
+            dequantized = plan(w, lm_head=module is head).dequantized().T.copy()
             module.weight = torch.nn.Parameter(torch.from_numpy(dequantized), requires_grad=False)
             module.register_forward_pre_hook(quantize_input)
     return model
