@@ -119,7 +119,8 @@ def kernel_paths(text: str) -> list[str]:
 @click.option("--paths", default="native", show_default=True,
               help="MatMulQ4 kernel paths, comma-separated (native, avx2, portable); native is always timed")
 def matmul(json_out, threads, paths):
-    """4-bit MatMul: MatMulQ4 (ours) vs ORT MatMulNBits at the default model's shapes."""
+    """4-bit MatMul: MatMulQ4 (ours, symmetric and asymmetric) vs ORT MatMulNBits at the default
+    model's shapes."""
     from dflash.ops import native_kernel_path
 
     from .matmul import print_grid, run_grid
@@ -127,8 +128,10 @@ def matmul(json_out, threads, paths):
     rows = run_grid(threads, [p for p in kernel_paths(paths) if p != native_kernel_path()])
     nbits_over_q4 = ratios(rows, ("K", "N", "M"), "q4", "nbits")
     print_grid(rows, nbits_over_q4)
-    write_json(json_out, {"machine": machine(), "threads": threads, "rows": rows, "nbits_over_q4": [
-        {"K": k[0], "N": k[1], "M": k[2], "ratio": v} for k, v in nbits_over_q4.items()]})
+    as_rows = lambda found: [{"K": k[0], "N": k[1], "M": k[2], "ratio": v} for k, v in found.items()]
+    write_json(json_out, {"machine": machine(), "threads": threads, "rows": rows,
+                          "nbits_over_q4": as_rows(nbits_over_q4),
+                          "q4a_over_q4": as_rows(ratios(rows, ("K", "N", "M"), "q4", "q4a"))})
 
 
 @main.command()

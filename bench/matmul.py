@@ -1,6 +1,8 @@
 """Micro-benchmark of MatMulQ4 against ONNX Runtime's MatMulNBits (4-bit, block 32, symmetric,
 accuracy level 4: the settings of `dflash-export --dtype int4` before MatMulQ4 and of
-onnxruntime-genai's int4 CPU models), each as a one-node model on the same random weights."""
+onnxruntime-genai's int4 CPU models), each as a one-node model on the same random weights; and
+MatMulQ4 with asymmetric blocks (`q4a`: float16 scale and offset, as a GGUF Q4_1 file is kept)
+against its symmetric form (`q4`), every forced kernel path alike."""
 
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from dflash.ops.models import q4_model
 
-IMPLS = ("q4", "nbits")  # "q4" runs the CPU's own kernel path; "q4 avx2" etc. a forced one
+IMPLS = ("q4", "q4a", "nbits")  # "q4" runs the CPU's own kernel path; "q4 avx2" etc. a forced one
 
 
 def build_model(impl: str, weight: np.ndarray) -> bytes:
@@ -23,6 +25,12 @@ def build_model(impl: str, weight: np.ndarray) -> bytes:
         from dflash.ops.reference import pack_q4
 
         return q4_model(K, N, *pack_q4(weight), a_shape=["M", K]).SerializeToString()
+    if impl == "q4a":
+        from dflash.ops.reference import pack_asymmetric
+
+        packed, scales, offsets = pack_asymmetric(weight, 4)
+        return q4_model(K, N, packed, scales.astype(np.float16), a_shape=["M", K],
+                        offsets=offsets.astype(np.float16)).SerializeToString()
     from onnxruntime.quantization.matmul_nbits_quantizer import MatMulNBitsQuantizer
 
     a = helper.make_tensor_value_info("a", TensorProto.FLOAT, ["M", K])
@@ -48,7 +56,7 @@ def _session(impl: str, weight: np.ndarray, threads: int) -> ort.InferenceSessio
     opts = ort.SessionOptions()
     opts.intra_op_num_threads = threads
     opts.log_severity_level = 3
-    if impl == "q4":
+    if impl in ("q4", "q4a"):
         from dflash import ops
 
         ops.register(opts)
@@ -84,7 +92,7 @@ def run_grid(threads: int, forced_paths=()) -> list[dict]:
     and MatMulQ4 on each forced kernel path (e.g. "avx2")."""
     import click
 
-    impls = IMPLS + tuple(f"q4 {p}" for p in forced_paths)
+    impls = IMPLS + tuple(f"{q} {p}" for p in forced_paths for q in ("q4", "q4a"))
     rows = []
     with click.progressbar(SHAPES, label="matmul", file=sys.stderr) as bar:
         for K, N in bar:
@@ -96,9 +104,9 @@ def print_grid(rows: list[dict], nbits_over_q4: dict) -> None:
     import click
 
     forced = [i for i in dict.fromkeys(r["impl"] for r in rows) if i not in IMPLS]
-    click.echo(f"{'K':>5s} {'N':>6s} {'M':>3s} {'q4 us':>9s} {'nbits us':>9s} {'nbits/q4':>9s}"
-               + "".join(f" {i + ' us':>14s}" for i in forced))
+    click.echo(f"{'K':>5s} {'N':>6s} {'M':>3s} {'q4 us':>9s} {'q4a us':>9s} {'q4a/q4':>7s} {'nbits us':>9s} "
+               f"{'nbits/q4':>9s}" + "".join(f" {i + ' us':>14s}" for i in forced))
     for (K, N, m), ratio in nbits_over_q4.items():
         us = {r["impl"]: r["us"] for r in rows if (r["K"], r["N"], r["M"]) == (K, N, m)}
-        click.echo(f"{K:5d} {N:6d} {m:3d} {us['q4']:9.1f} {us['nbits']:9.1f} {ratio:9.2f}"
-                   + "".join(f" {us[i]:14.1f}" for i in forced))
+        click.echo(f"{K:5d} {N:6d} {m:3d} {us['q4']:9.1f} {us['q4a']:9.1f} {us['q4a'] / us['q4']:7.2f} "
+                   f"{us['nbits']:9.1f} {ratio:9.2f}" + "".join(f" {us[i]:14.1f}" for i in forced))

@@ -150,7 +150,7 @@ def llamacpp_row(model, ids: list[int], window: int, reference: Scores, threads:
         answer.append(int(token))
     name = f"llama.cpp {source.name}"
     return row(name, "gguf", ids, window, scores.logprobs, scores.argmax, reference,
-               float(np.concatenate(kl).mean()), model.decode(answer))
+               float(np.concatenate(kl).mean()), model.codec.decode(answer))
 
 
 def print_table(rows: list[dict]) -> None:

@@ -80,7 +80,10 @@ def main():
 @click.option("--calibration", type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="a text file run through the fp32 model to weight the int4 search by the activations each "
                    "weight meets (an importance matrix); for weights a GGUF does not already hold quantized")
-def target(src, out, dtype, max_len, taps, attention, matmul, overwrite, batched, calibration):
+@click.option("--lm-head", "lm_head", type=click.Choice(["int8", "int4"]), default="int8", show_default=True,
+              help="the lm_head's precision in an int4 target: int8 keeps it as llama.cpp does (a GGUF's Q8_0 "
+                   "exactly); int4 is faster where the lm_head is a large share of the model and costs quality")
+def target(src, out, dtype, max_len, taps, attention, matmul, overwrite, batched, calibration, lm_head):
     """Export the target model SRC: a Hugging Face model folder, a .gguf file, or 'default'.
 
     A GGUF's quantized tensors are kept exactly at int4 and int8 (Q4_0/Q4_1/Q4_K as MatMulQ4,
@@ -88,18 +91,22 @@ def target(src, out, dtype, max_len, taps, attention, matmul, overwrite, batched
     asymmetric blocks with an int8 lm_head."""
     try:
         export_target(src, out, dtype, max_len, taps, attention, overwrite, matmul=matmul, batched=batched,
-                      calibration=calibration)
+                      calibration=calibration, lm_head=lm_head)
     except (SourceError, DiskFullError, FileExistsError) as e:
         raise click.ClickException(str(e))
 
 
-def weight_plan_for(source, dtype: str, matmul: str, calibration: Path | None, progress):
+def weight_plan_for(source, dtype: str, matmul: str, calibration: Path | None, progress, lm_head: str = "int8"):
     """The weight plan of a quantized target with our kernels (None for fp32 and MatMulNBits)."""
     from .quantize import weight_plan
 
+    if lm_head != "int8" and dtype != "int4":
+        raise SourceError(f"--lm-head {lm_head} applies to int4 targets (got --dtype {dtype})")
     if dtype == "fp32" or matmul not in ("q4", "q8"):
         if calibration:
             raise SourceError("--calibration applies to int4 / int8 targets with this project's kernels")
+        if lm_head != "int8":
+            raise SourceError("--lm-head applies to int4 targets with this project's kernels (--attention custom)")
         return None
     importance = None
     if calibration:
@@ -110,11 +117,11 @@ def weight_plan_for(source, dtype: str, matmul: str, calibration: Path | None, p
             raise SourceError(f"--calibration {calibration}: the text has fewer than two tokens")
         progress(f"measuring the importance matrix on {calibration} ({len(ids)} tokens)")
         importance = measure(source.model, ids)
-    return weight_plan(source.path, dtype, importance)
+    return weight_plan(source.path, dtype, importance, lm_head)
 
 
 def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="custom", overwrite=False,
-                  source=None, matmul=None, batched=False, calibration=None):
+                  source=None, matmul=None, batched=False, calibration=None, lm_head="int8"):
     """Export SRC (or an already loaded `source`) as a target bundle in `out`."""
     from . import sources
     from .bundle import eos_token_ids, staging, write_manifest, write_tokenizer
@@ -133,7 +140,7 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
     if max_len < 2:
         raise SourceError(f"--max-len {max_len} is too small; give the KV-cache capacity in tokens")
     tap_ids = parse_taps(taps, config.num_hidden_layers)
-    plan = weight_plan_for(source, dtype, matmul, calibration, progress)
+    plan = weight_plan_for(source, dtype, matmul, calibration, progress, lm_head)
     with staging(Path(out), overwrite) as folder:
         progress(f"exporting the {source.architecture} target graph "
                  f"({sum(p.numel() for p in source.model.parameters()) / 1e6:.0f}M parameters, "

@@ -49,7 +49,9 @@ class WeightPlan:
     - otherwise int4 weights get searched asymmetric blocks (weighted by `importance`, E[a^2] per
       input row measured on a calibration text, where given) and int8 weights symmetric
       round-to-nearest; the lm_head is int8 at either dtype (as llama.cpp and onnxruntime-genai's
-      int8-lm_head modes keep the output layer), unless `lm_head_bits` says otherwise;
+      int8-lm_head modes keep the output layer) unless `lm_head_bits` is 4: then searched int4
+      blocks, from the GGUF's values too (faster, but the lm_head costs the most quality of any
+      weight);
     - `symmetric_only`: symmetric round-to-nearest everywhere (drafters: speed, not fidelity).
 
     Results are cached by value, so the export check sees exactly the weights the graph holds."""
@@ -69,13 +71,15 @@ class WeightPlan:
         if key in self.cache:
             return self.cache[key]
         found = self.gguf.find(w) if self.gguf is not None and not self.symmetric_only else None
+        if found is not None and lm_head and found.bits > self.lm_head_bits:
+            found = None  # a narrower lm_head asked for: searched from the file's values
         if found is not None:
             weight = found.widened(self.bits, found.offsets is not None)
             kind = "kept from the GGUF" + ("" if weight.exact else " (near-exact)")
         elif self.symmetric_only:
             weight, kind = symmetric(w, self.bits), "round-to-nearest"
-        elif lm_head or self.bits == 8:  # float16 scales, as GGUF's Q8_0
-            weight, kind = symmetric(w, self.lm_head_bits if lm_head else self.bits, half=True), "round-to-nearest"
+        elif (lm_head and self.lm_head_bits == 8) or self.bits == 8:  # float16 scales, as GGUF's Q8_0
+            weight, kind = symmetric(w, 8, half=True), "round-to-nearest"
         else:
             importance = self.importance.get(weight_key(w))
             weight = searched(w, self.bits, importance)
@@ -89,14 +93,15 @@ class WeightPlan:
         return "; ".join(f"{n} {kind}" for kind, n in sorted(self.counts.items()))
 
 
-def weight_plan(source_path: str, dtype: str, importance: dict | None = None) -> WeightPlan:
-    """The plan for a target exported from `source_path` (a GGUF file or a model folder)."""
+def weight_plan(source_path: str, dtype: str, importance: dict | None = None, lm_head: str = "int8") -> WeightPlan:
+    """The plan for a target exported from `source_path` (a GGUF file or a model folder); `lm_head`:
+    int8 (default) or int4."""
     gguf = None
     if str(source_path).endswith(".gguf"):
         from .gguf_blocks import GGUFBlocks
 
         gguf = GGUFBlocks(source_path)
-    return WeightPlan(dtype, gguf=gguf, importance=importance)
+    return WeightPlan(dtype, gguf=gguf, importance=importance, lm_head_bits=BITS[lm_head])
 
 
 def quantize(src: Path, dst: Path, dtype: str, kernel: str = "nbits", block_size: int = 32,

@@ -166,16 +166,24 @@ __attribute__((target("avx2,fma,f16c"))) void tile_rows_avx2(const Job& job, int
       }
     }
     using P = std::conditional_t<Half, uint16_t, float>;
+    // the block's parameters once for all rows (loads through __m128i may alias acc's stores, so
+    // the compiler would not hoist them out of the row loop itself)
     const P* sbp = job.tile_scales<P>(t, b);
+    const __m256 sb[2] = {params8<Half>(sbp), params8<Half>(sbp + 8)};
+    __m256 ob[2];
+    if (Asym) {
+      const P* obp = job.tile_offsets<P>(t, b);
+      ob[0] = params8<Half>(obp);
+      ob[1] = params8<Half>(obp + 8);
+    }
     for (int r = 0; r < R; ++r) {
       const __m256i zero_point = _mm256_set1_epi32(offset[r * KB + b]);
       const __m256 sar = _mm256_set1_ps(sa[r * KB + b]);
       for (int h = 0; h < 2; ++h) {
         const __m256i dot = _mm256_add_epi32(_mm256_madd_epi16(pairs[r][h], ones), zero_point);
-        const __m256 s = _mm256_mul_ps(sar, params8<Half>(sbp + 8 * h));
+        const __m256 s = _mm256_mul_ps(sar, sb[h]);
         __m256 sum = _mm256_fmadd_ps(_mm256_cvtepi32_ps(dot), s, _mm256_load_ps(acc[r] + 8 * h));
-        if (Asym)
-          sum = _mm256_fmadd_ps(params8<Half>(job.tile_offsets<P>(t, b) + 8 * h), _mm256_set1_ps(total[r * KB + b]), sum);
+        if (Asym) sum = _mm256_fmadd_ps(ob[h], _mm256_set1_ps(total[r * KB + b]), sum);
         _mm256_store_ps(acc[r] + 8 * h, sum);
       }
     }

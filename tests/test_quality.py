@@ -20,8 +20,28 @@ def test_quality_scores_every_bundle_against_the_first(tiny, tmp_path):
     rows = json.loads(out.read_text())["rows"]
     assert [r["dtype"] for r in rows] == ["fp32", "int8"]
     assert rows[0]["agreement"] == 1.0 and 0 <= rows[1]["agreement"] <= 1
+    assert rows[0]["kl_divergence"] == 0.0 and 0 < rows[1]["kl_divergence"] < 0.1  # int8 moves it a little
     assert all(np.isfinite(r["perplexity"]) and r["perplexity"] > 1 for r in rows)
     assert rows[0]["tokens"] > 64 and "perplexity" in result.output
+
+
+def test_kl_divergence_is_that_of_the_two_distributions(tiny):
+    from dflash.bench.quality import Scores, score
+    from dflash.runtime import Model
+
+    fp32, int8 = Model(tiny("llama")[0]), Model(tiny("llama", dtype="int8")[0])
+    ids = list(range(5, 40))
+    first = Scores(len(ids) - 1, keep=None)
+    first.all = np.stack([np.log(softmax(r)) for r in fp32.target.forward(ids[:-1], np.arange(34), np.tri(34, dtype=bool), 0)])
+    _, _, kl = score(int8, ids, reference=first)
+    logits = int8.target.forward(ids[:-1], np.arange(34), np.tri(34, dtype=bool), 0)
+    p, q = np.exp(first.all), np.stack([softmax(r) for r in logits])
+    np.testing.assert_allclose(kl, (p * np.log(p / q)).sum(-1).mean(), rtol=1e-4)
+
+
+def softmax(row):
+    e = np.exp(row.astype(np.float64) - row.max())
+    return e / e.sum()
 
 
 def test_score_matches_a_plain_softmax(tiny):

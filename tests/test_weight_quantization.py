@@ -88,3 +88,21 @@ def test_searched_blocks_fit_their_grid_and_half_parameters(bits):
     np.testing.assert_array_equal(reference.dequantize(packed[0], *packed[1:2], 40, bits, packed[2]),
                                   weight.dequantized())
     assert np.abs(weight.dequantized()[:32, 3] - 0.1).max() < 1e-4
+
+
+def test_an_int4_lm_head_is_asked_for_and_checked(tiny):
+    """--lm-head int4: every MatMul MatMulQ4 (searched); it applies to int4 targets only."""
+    from dflash.export.cli import export_target
+    from dflash.export.sources import SourceError
+
+    bundle, hf = tiny("llama", dtype="int4", lm_head="int4")
+    assert [kind for kind, _ in graph_weights(bundle / "target_int4.onnx")] == ["MatMulQ4"] * 17
+    assert generates(bundle)
+    with pytest.raises(SourceError, match="--lm-head int4 applies to int4 targets"):
+        export_target(str(hf), bundle.parent / "other", dtype="int8", lm_head="int4")
+
+
+def generates(bundle) -> bool:
+    from dflash.runtime import Model
+
+    return Model(bundle).generate("the quick brown fox", max_new_tokens=4).stats.new_tokens >= 1
