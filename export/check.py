@@ -30,14 +30,19 @@ TOLERANCE = 1e-3  # allowed |ORT - reference|, relative to the reference's large
 QUANTIZED_SHARE = {"q4": 0.25, "q8": 0.25, "nbits": 1.0}
 
 
-def quantized_activations(x: torch.Tensor) -> torch.Tensor:
+def quantized_activations(x: torch.Tensor, split: bool = False) -> torch.Tensor:
     """x [..., K] round-tripped through int8 per block of 32, rounded as the ops round: in float32,
-    x * (127 / block max)."""
+    x * (127 / block max); `split`: plus its residual round-tripped the same way (the ops'
+    split_activations)."""
     blocks = x.float().reshape(*x.shape[:-1], -1, BLOCK)
     amax = blocks.abs().amax(-1, keepdim=True)
     inv = torch.where(amax > 0, 127 / torch.where(amax > 0, amax, torch.ones_like(amax)), torch.zeros_like(amax))
     q = torch.clamp(torch.round(blocks * inv), -127, 127)
-    return (q.double() * (amax / 127).double()).reshape(x.shape)
+    out = (q.double() * (amax / 127).double()).reshape(x.shape)
+    if split:
+        residual = (x.double() - out).float()
+        out = out + quantized_activations(residual)
+    return out
 
 
 @contextmanager
@@ -46,7 +51,7 @@ def quantized_reference(graph, plan):
     weight plan `plan` (export/quantize.py) does."""
     def product(weight_kn, lm_head=False):
         wq = torch.from_numpy(plan(weight_kn.numpy(), lm_head=lm_head).dequantized()).double()
-        return lambda x: (quantized_activations(x) @ wq).float()
+        return lambda x: (quantized_activations(x, plan.split_activations) @ wq).float()
 
     patched = []
     for module in graph.modules():

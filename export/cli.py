@@ -83,7 +83,12 @@ def main():
 @click.option("--lm-head", "lm_head", type=click.Choice(["int8", "int4"]), default="int8", show_default=True,
               help="the lm_head's precision in an int4 target: int8 keeps it as llama.cpp does (a GGUF's Q8_0 "
                    "exactly); int4 is faster where the lm_head is a large share of the model and costs quality")
-def target(src, out, dtype, max_len, taps, attention, matmul, overwrite, batched, calibration, lm_head):
+@click.option("--split-activations", is_flag=True,
+              help="int4 / int8: quantize each MatMul's input as two int8 halves (~15-bit activations, as close to "
+                   "fp32 as the weights allow); about free for one-token steps, twice the integer work of a "
+                   "multi-row verify, so it suits plain decoding more than speculation")
+def target(src, out, dtype, max_len, taps, attention, matmul, overwrite, batched, calibration, lm_head,
+           split_activations):
     """Export the target model SRC: a Hugging Face model folder, a .gguf file, or 'default'.
 
     A GGUF's quantized tensors are kept exactly at int4 and int8 (Q4_0/Q4_1/Q4_K as MatMulQ4,
@@ -91,12 +96,13 @@ def target(src, out, dtype, max_len, taps, attention, matmul, overwrite, batched
     asymmetric blocks with an int8 lm_head."""
     try:
         export_target(src, out, dtype, max_len, taps, attention, overwrite, matmul=matmul, batched=batched,
-                      calibration=calibration, lm_head=lm_head)
+                      calibration=calibration, lm_head=lm_head, split_activations=split_activations)
     except (SourceError, DiskFullError, FileExistsError) as e:
         raise click.ClickException(str(e))
 
 
-def weight_plan_for(source, dtype: str, matmul: str, calibration: Path | None, progress, lm_head: str = "int8"):
+def weight_plan_for(source, dtype: str, matmul: str, calibration: Path | None, progress, lm_head: str = "int8",
+                    split_activations: bool = False):
     """The weight plan of a quantized target with our kernels (None for fp32 and MatMulNBits)."""
     from .quantize import weight_plan
 
@@ -105,8 +111,9 @@ def weight_plan_for(source, dtype: str, matmul: str, calibration: Path | None, p
     if dtype == "fp32" or matmul not in ("q4", "q8"):
         if calibration:
             raise SourceError("--calibration applies to int4 / int8 targets with this project's kernels")
-        if lm_head != "int8":
-            raise SourceError("--lm-head applies to int4 targets with this project's kernels (--attention custom)")
+        if lm_head != "int8" or split_activations:
+            raise SourceError("--lm-head and --split-activations apply to int4 / int8 targets with this project's "
+                              "kernels (--attention custom)")
         return None
     importance = None
     if calibration:
@@ -117,11 +124,12 @@ def weight_plan_for(source, dtype: str, matmul: str, calibration: Path | None, p
             raise SourceError(f"--calibration {calibration}: the text has fewer than two tokens")
         progress(f"measuring the importance matrix on {calibration} ({len(ids)} tokens)")
         importance = measure(source.model, ids)
-    return weight_plan(source.path, dtype, importance, lm_head)
+    return weight_plan(source.path, dtype, importance, lm_head, split_activations)
 
 
 def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="custom", overwrite=False,
-                  source=None, matmul=None, batched=False, calibration=None, lm_head="int8"):
+                  source=None, matmul=None, batched=False, calibration=None, lm_head="int8",
+                  split_activations=False):
     """Export SRC (or an already loaded `source`) as a target bundle in `out`."""
     from . import sources
     from .bundle import eos_token_ids, staging, write_manifest, write_tokenizer
@@ -140,7 +148,7 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
     if max_len < 2:
         raise SourceError(f"--max-len {max_len} is too small; give the KV-cache capacity in tokens")
     tap_ids = parse_taps(taps, config.num_hidden_layers)
-    plan = weight_plan_for(source, dtype, matmul, calibration, progress, lm_head)
+    plan = weight_plan_for(source, dtype, matmul, calibration, progress, lm_head, split_activations)
     with staging(Path(out), overwrite) as folder:
         progress(f"exporting the {source.architecture} target graph "
                  f"({sum(p.numel() for p in source.model.parameters()) / 1e6:.0f}M parameters, "
@@ -149,6 +157,8 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
                                                   dtype, matmul, progress, plan=plan), "dtype": dtype, "matmul": matmul}}
         if plan is not None:
             graphs["target"]["weights"] = dict(plan.counts)
+            if split_activations:
+                graphs["target"]["split_activations"] = True
             click.echo(f"  weights: {plan.summary()}", err=True)
         if batched:
             progress("exporting the batched target graph")

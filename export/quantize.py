@@ -54,12 +54,16 @@ class WeightPlan:
       weight);
     - `symmetric_only`: symmetric round-to-nearest everywhere (drafters: speed, not fidelity).
 
+    `split_activations`: every op quantizes its input as two int8 rows (ops/quantized_matmul.h):
+    ~15-bit activations, twice the integer work.
+
     Results are cached by value, so the export check sees exactly the weights the graph holds."""
 
     def __init__(self, dtype: str, gguf=None, importance: dict | None = None, lm_head_bits: int = 8,
-                 symmetric_only: bool = False):
+                 symmetric_only: bool = False, split_activations: bool = False):
         self.bits, self.gguf, self.importance = BITS[dtype], gguf, importance or {}
         self.lm_head_bits, self.symmetric_only = max(lm_head_bits, BITS[dtype]), symmetric_only
+        self.split_activations = split_activations  # the ops' split_activations attribute
         self.cache: dict[bytes, object] = {}
         self.counts: Counter = Counter()
 
@@ -93,7 +97,8 @@ class WeightPlan:
         return "; ".join(f"{n} {kind}" for kind, n in sorted(self.counts.items()))
 
 
-def weight_plan(source_path: str, dtype: str, importance: dict | None = None, lm_head: str = "int8") -> WeightPlan:
+def weight_plan(source_path: str, dtype: str, importance: dict | None = None, lm_head: str = "int8",
+                split_activations: bool = False) -> WeightPlan:
     """The plan for a target exported from `source_path` (a GGUF file or a model folder); `lm_head`:
     int8 (default) or int4."""
     gguf = None
@@ -101,7 +106,8 @@ def weight_plan(source_path: str, dtype: str, importance: dict | None = None, lm
         from .gguf_blocks import GGUFBlocks
 
         gguf = GGUFBlocks(source_path)
-    return WeightPlan(dtype, gguf=gguf, importance=importance, lm_head_bits=BITS[lm_head])
+    return WeightPlan(dtype, gguf=gguf, importance=importance, lm_head_bits=BITS[lm_head],
+                      split_activations=split_activations)
 
 
 def quantize(src: Path, dst: Path, dtype: str, kernel: str = "nbits", block_size: int = 32,
@@ -162,7 +168,8 @@ def quantize_own(src: Path, dst: Path, plan: WeightPlan) -> None:
         packed = weight.packed()
         graph.initializer.extend(numpy_helper.from_array(a, n) for a, n in zip(packed, names))
         nodes.append(helper.make_node(op_type, [node.input[0], *names[:len(packed)]], list(node.output),
-                                      name=f"{node.name}_{kernel}", domain=OPS_DOMAIN, K=K, N=N))
+                                      name=f"{node.name}_{kernel}", domain=OPS_DOMAIN, K=K, N=N,
+                                      **({"split_activations": 1} if plan.split_activations else {})))
         uses[base] -= 1
     del graph.node[:]
     graph.node.extend(nodes)

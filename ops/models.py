@@ -6,21 +6,23 @@ import numpy as np
 from onnx import TensorProto, helper, numpy_helper
 
 
-def q4_model(K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None, offsets=None):
+def q4_model(K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None, offsets=None, split=False):
     """One-node MatMulQ4 model: input "a" (shape `a_shape`; None leaves it untyped, so that bad
-    shapes reach the op), weights (and, asymmetric, offsets) as initializers, output "y"."""
-    return quantized_matmul_model("MatMulQ4", K, N, packed, scales, a_shape, offsets)
+    shapes reach the op), weights (and, asymmetric, offsets) as initializers, output "y";
+    `split`: the split_activations attribute."""
+    return quantized_matmul_model("MatMulQ4", K, N, packed, scales, a_shape, offsets, split)
 
 
-def q8_model(K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None, offsets=None):
+def q8_model(K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None, offsets=None, split=False):
     """One-node MatMulQ8 model, as q4_model."""
-    return quantized_matmul_model("MatMulQ8", K, N, packed, scales, a_shape, offsets)
+    return quantized_matmul_model("MatMulQ8", K, N, packed, scales, a_shape, offsets, split)
 
 
 def quantized_matmul_model(op: str, K: int, N: int, packed: np.ndarray, scales: np.ndarray, a_shape=None,
-                           offsets=None):
+                           offsets=None, split=False):
     inputs = ["a", "weight", "scales"] + ([] if offsets is None else ["offsets"])
-    node = helper.make_node(op, inputs, ["y"], domain="ai.dflash", K=K, N=N)
+    node = helper.make_node(op, inputs, ["y"], domain="ai.dflash", K=K, N=N,
+                            **({"split_activations": 1} if split else {}))
     a_dims = None if a_shape is None else list(a_shape)
     initializers = [numpy_helper.from_array(packed, "weight"), numpy_helper.from_array(scales, "scales")]
     if offsets is not None:

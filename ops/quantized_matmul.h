@@ -17,7 +17,10 @@
 //   3 offsets optional, scales' type [T, K/32, 16]  asymmetric blocks: W = u * scale + offset, u the
 //                                           stored code with no zero point (GGUF Q4_1 / Q4_K / Q5_1 /
 //                                           Q5_K: scale d, offset m, kept exactly); absent: W = (u - z) * scale
-// Attributes: K, N (ints).  Output: y float [..., N].
+// Attributes: K, N (ints); split_activations (int, optional, default 0): 1 quantizes each row as two
+// int8 rows, the row and what its rounding left (r = a - sa * q, computed in double and rounded to
+// float once), runs both, and adds their results in float: ~15-bit activations for twice the
+// integer work, the same for every row count.  Output: y float [..., N].
 //
 // Activations, per row: each block of 32 is quantized to int8 with its own scale sa = max|a| / 127,
 // q = round-to-nearest-even(a * (127 / max|a|)), all in float32 (a zero block gives q = 0, sa = 0).

@@ -277,10 +277,22 @@ def accumulate_blocks(dots, sa, scales, offsets=None, totals=None):
     return y
 
 
-def quantized_matmul(a, weight, scales, N, bits, offsets=None):
+def split_rows(a):
+    """split_activations: each row a [M, K] followed by its residual a - sa * q after int8
+    quantization (in float64, where sa * q is exact, rounded to float32 once): [2M, K]."""
+    a = np.asarray(a, dtype=np.float32).reshape(-1, a.shape[-1])
+    q, sa = quantize_activations(a)
+    residual = (a.astype(np.float64) - (sa[:, :, None].astype(np.float64) * q).reshape(a.shape)).astype(np.float32)
+    return np.stack([a, residual], axis=1).reshape(-1, a.shape[-1])
+
+
+def quantized_matmul(a, weight, scales, N, bits, offsets=None, split=False):
     """MatMulQ4 (bits 4) or MatMulQ8 (bits 8) in numpy, bit for bit: a [..., K] float32 -> [..., N]
-    (scales and offsets float32 or float16)."""
+    (scales and offsets float32 or float16; `split`: the split_activations attribute)."""
     a = np.asarray(a, dtype=np.float32)
+    if split:
+        y = quantized_matmul(split_rows(a), weight, scales, N, bits, offsets).reshape(-1, 2, N)
+        return (y[:, 0] + y[:, 1]).reshape(*a.shape[:-1], N)
     scales = np.asarray(scales, np.float32)
     offsets = None if offsets is None else np.asarray(offsets, np.float32)
     T, KB, _ = weight.shape

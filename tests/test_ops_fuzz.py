@@ -235,14 +235,15 @@ def check_rows_alone(sess, f: dict, out) -> str | None:
 
 def check_quantized_matmul(rng, threads: int, bits: int) -> str | None:
     """MatMulQ4 (bits 4) or MatMulQ8 (bits 8), symmetric or asymmetric (with offsets), float or
-    float16 parameters, at random, at a
+    float16 parameters, split activations or not, at random, at a
     random size (partial last tile, 0..70 rows: every row group and remainder of the
     register-blocked kernels) on a random kernel path against its numpy reference, and a random
     slice of the rows alone against the same rows of the full call."""
     from dflash.ops import models, reference
 
-    asymmetric, half = bool(rng.integers(2)), bool(rng.integers(2))
-    op = f"MatMulQ{bits}" + (" asymmetric" if asymmetric else "") + (" float16" if half else "")
+    asymmetric, half, split = bool(rng.integers(2)), bool(rng.integers(2)), bool(rng.integers(2))
+    op = f"MatMulQ{bits}" + (" asymmetric" if asymmetric else "") + (" float16" if half else "") + \
+        (" split" if split else "")
     one_node = getattr(models, f"q{bits}_model")
 
     K, N, M = 32 * int(rng.integers(1, 33)), int(rng.integers(1, 100)), int(rng.integers(0, 71))
@@ -255,11 +256,11 @@ def check_quantized_matmul(rng, threads: int, bits: int) -> str | None:
         (packed, scales), offsets = getattr(reference, f"pack_q{bits}")(w), None
     if half:
         scales, offsets = scales.astype(np.float16), None if offsets is None else offsets.astype(np.float16)
-    sess = op_session(one_node(K, N, packed, scales, offsets=offsets), threads)  # untyped input
+    sess = op_session(one_node(K, N, packed, scales, offsets=offsets, split=split), threads)  # untyped input
     a = rng.standard_normal((M, K)).astype(np.float32)
     where = f"{op} K={K} N={N} M={M} kernels={kernels or 'best'}"
     full = sess.run(None, {"a": a})[0]
-    if not np.array_equal(full, reference.quantized_matmul(a, packed, scales, N, bits, offsets)):
+    if not np.array_equal(full, reference.quantized_matmul(a, packed, scales, N, bits, offsets, split=split)):
         return f"{where}: differs from the reference"
     start = int(rng.integers(0, M + 1))
     stop = int(rng.integers(start, M + 1))

@@ -24,6 +24,7 @@ class Op:
     error: float  # |y - a @ w| allowed, per sqrt(K): the weights' rounding
     asymmetric: bool = False  # with the offsets input
     half: bool = False  # float16 scales (and offsets)
+    split: bool = False  # split_activations
 
     def pack(self, w):
         """(packed, scales) or, asymmetric, (packed, scales, offsets)."""
@@ -34,20 +35,23 @@ class Op:
         return (params[0], *(p.astype(np.float16) for p in params[1:])) if self.half else params
 
     def reference(self, a, packed, scales, N, offsets=None):
-        return reference.quantized_matmul(a, packed, scales, N, self.bits, offsets)
+        return reference.quantized_matmul(a, packed, scales, N, self.bits, offsets, split=self.split)
 
     def model(self, K, N, packed, scales, offsets=None, a_shape=("M", None)):
         """The one-node model with input a [*a_shape] (None: K)."""
         one_node = getattr(models, f"q{self.bits}_model")
-        return one_node(K, N, packed, scales, [K if d is None else d for d in a_shape], offsets=offsets)
+        return one_node(K, N, packed, scales, [K if d is None else d for d in a_shape], offsets=offsets,
+                        split=self.split)
 
 
 OPS = [Op("MatMulQ4", 4, 256, 0.05), Op("MatMulQ8", 8, 512, 0.01),
        Op("MatMulQ4", 4, 256, 0.05, asymmetric=True), Op("MatMulQ8", 8, 512, 0.01, asymmetric=True),
        Op("MatMulQ4", 4, 256, 0.05, half=True), Op("MatMulQ4", 4, 256, 0.05, asymmetric=True, half=True),
-       Op("MatMulQ8", 8, 512, 0.01, asymmetric=True, half=True)]
+       Op("MatMulQ8", 8, 512, 0.01, asymmetric=True, half=True),
+       Op("MatMulQ4", 4, 256, 0.05, asymmetric=True, half=True, split=True), Op("MatMulQ8", 8, 512, 0.01, split=True)]
 by_name = pytest.mark.parametrize(
-    "op", OPS, ids=lambda op: op.name + ("-asymmetric" if op.asymmetric else "") + ("-fp16" if op.half else ""))
+    "op", OPS, ids=lambda op: op.name + ("-asymmetric" if op.asymmetric else "") + ("-fp16" if op.half else "")
+    + ("-split" if op.split else ""))
 
 
 def random_weights(rng, K, N):
@@ -169,6 +173,19 @@ def test_every_float16_parameter_is_widened_exactly(lib, monkeypatch, kernels):
     y = session(models.q4_model(K, N, packed, scales, ["M", K], offsets=offsets)).run(None, {"a": a})[0]
     with np.errstate(invalid="ignore"):  # the nans
         np.testing.assert_array_equal(y, reference.matmul_q4(a, packed, scales, N, offsets))
+
+
+def test_split_activations_are_nearly_exact():
+    """Two int8 rows per row leave ~1/254 of one row's activation rounding."""
+    rng = np.random.default_rng(7)
+    w = random_weights(rng, 256, 48)
+    a = rng.standard_normal((6, 256)).astype(np.float32)
+    a[:, 5] *= 40  # an outlier per row, as real activations have
+    params = reference.pack_q8(w)
+    exact = a.astype(np.float64) @ reference.unpack_q8(*params, 48).astype(np.float64)
+    one = np.abs(reference.matmul_q8(a, *params, 48) - exact).max()
+    two = np.abs(reference.quantized_matmul(a, *params, 48, 8, split=True) - exact).max()
+    assert two < one / 50
 
 
 def test_asymmetric_blocks_dequantize_as_gguf_q4_1_does():

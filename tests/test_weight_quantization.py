@@ -106,3 +106,25 @@ def generates(bundle) -> bool:
     from dflash.runtime import Model
 
     return Model(bundle).generate("the quick brown fox", max_new_tokens=4).stats.new_tokens >= 1
+
+
+def test_split_activations_export_runs_every_op_with_them(tiny):
+    """--split-activations: every MatMulQ4 / MatMulQ8 carries the attribute, the export check
+    (whose reference splits too) passes, and the bundle's logits are closer to fp32's than plain
+    int4's are."""
+    from dflash.runtime import Model
+
+    split, _ = tiny("llama", dtype="int4", split_activations=True)
+    plain, _ = tiny("llama", dtype="int4")
+    fp32, _ = tiny("llama")
+    graph = onnx.load(str(split / "target_int4.onnx"), load_external_data=False).graph
+    ops = [n for n in graph.node if n.op_type in ("MatMulQ4", "MatMulQ8")]
+    assert len(ops) == 17 and all(any(a.name == "split_activations" and a.i == 1 for a in n.attribute) for n in ops)
+    model = Model(split)
+    assert model.bundle.graphs["target"]["split_activations"] and model.bundle.export_check["passed"]
+    ids = list(range(5, 30))
+    logits = {name: Model(b).target.forward(ids, np.arange(len(ids)), np.tri(len(ids), dtype=bool), 0)
+              for name, b in (("split", split), ("plain", plain), ("fp32", fp32))}
+    # the weights differ from fp32's alike; split takes the activations' rounding away
+    exact = logits["fp32"]
+    assert np.abs(logits["split"] - exact).max() < np.abs(logits["plain"] - exact).max()
