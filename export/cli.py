@@ -177,7 +177,8 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
             **write_tokenizer(source.tokenizer, folder),
         }
         write_manifest(folder, manifest)
-        reference = "torch" if dtype == "fp32" else f"torch with {dtype} weights and int8 activations"
+        activations = "split (two int8)" if split_activations else "int8"
+        reference = "torch" if dtype == "fp32" else f"torch with {dtype} weights and {activations} activations"
         progress(f"checking ONNX Runtime against {reference} on random inputs")
         diff = check_target(source.model, tap_ids, folder, plan=plan)
         verdict = "passed" if diff["passed"] else "FAILED"
