@@ -70,15 +70,7 @@ def fits_half(p: np.ndarray) -> bool:
 def symmetric(w: np.ndarray, bits: int, half: bool = False) -> BlockWeight:
     """Symmetric round-to-nearest; `half`: the scales rounded to float16 first (as GGUF's Q8_0 /
     Q4_0 store them) and the codes rounded against those."""
-    codes, scales = symmetric_codes(w, bits)
-    if half:
-        scales = scales.astype(np.float16).astype(np.float32)
-        K, N = codes.shape
-        blocks = np.asarray(w, np.float32).reshape(K // Q4_BLOCK, Q4_BLOCK, N)
-        safe = np.where(scales != 0, scales, 1)[:, None, :]
-        zero = ZERO[bits]
-        codes = (np.clip(np.rint(blocks / safe), -zero, zero - 1) + zero).reshape(K, N).astype(np.uint8)
-    return BlockWeight(bits, codes, scales, None)
+    return BlockWeight(bits, *symmetric_codes(w, bits, half), None)
 
 
 def minmax(w: np.ndarray, bits: int) -> BlockWeight:

@@ -71,7 +71,8 @@ class WeightPlan:
         from .blocks import searched, symmetric
         from .imatrix import weight_key
 
-        key = weight_key(w) + bytes([lm_head])
+        value = weight_key(w)  # hashed once: the lm_head alone is tens of millions of values
+        key = value + bytes([lm_head])
         if key in self.cache:
             return self.cache[key]
         found = self.gguf.find(w) if self.gguf is not None and not self.symmetric_only else None
@@ -85,7 +86,7 @@ class WeightPlan:
         elif (lm_head and self.lm_head_bits == 8) or self.bits == 8:  # float16 scales, as GGUF's Q8_0
             weight, kind = symmetric(w, 8, half=True), "round-to-nearest"
         else:
-            importance = self.importance.get(weight_key(w))
+            importance = self.importance.get(value)
             weight = searched(w, self.bits, importance)
             kind = "searched" + (" with the importance matrix" if importance is not None else "")
         self.counts[f"{kind} ({'MatMulQ4' if weight.bits == 4 else 'MatMulQ8'}"

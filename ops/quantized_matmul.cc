@@ -109,7 +109,7 @@ QuantizeFn quantize_for(KernelPath path) {
 struct QuantizedMatMulKernel {
   const QuantizedFormat* format = nullptr;
   int64_t K = 0, N = 0;
-  bool split_activations = false;  // attribute split_activations = 1 (see split_rows)
+  bool split_activations = false;  // attribute split_activations = 1 (see quantize_split)
   TileFn tile = nullptr;
   QuantizeFn quantize = nullptr;
 
@@ -154,24 +154,25 @@ struct QuantizedMatMulKernel {
 
     // Asymmetric codes have no zero point: their offset term is the float one (total x offsets).
     const int32_t zero = asymmetric ? 0 : format->zero_point;
-    const float* x = a.GetTensorData<float>();
-    int64_t rows_in = M;
-    float* out = y;
-    static thread_local std::vector<float> split, partial;
-    if (split_activations) {  // each row as two int8 rows: itself, then what its rounding left
-      split_rows(x, M, zero, split);
-      x = split.data();
-      rows_in = 2 * M;
-      partial.resize(static_cast<size_t>(2 * M * N));
-      out = partial.data();
-    }
+    // split_activations: each row is two quantized rows, itself and what its rounding left, whose
+    // products are summed into y afterwards
+    const int64_t rows_in = split_activations ? 2 * M : M;
     static thread_local QuantizedRows rows;  // pool threads only read it
     const int64_t blocks = rows_in * KB;     // rows are KB blocks wide, so all blocks are contiguous
     rows.q.resize(static_cast<size_t>(rows_in * K));
     rows.scale.resize(static_cast<size_t>(blocks));
     rows.offset.resize(static_cast<size_t>(blocks));
     rows.total.resize(static_cast<size_t>(blocks));
-    quantize(x, blocks, zero, rows.q.data(), rows.scale.data(), rows.offset.data(), rows.total.data());
+    static thread_local std::vector<float> partial;
+    float* out = y;
+    if (split_activations) {
+      quantize_split(a.GetTensorData<float>(), M, zero, rows);
+      partial.resize(static_cast<size_t>(rows_in * N));
+      out = partial.data();
+    } else {
+      quantize(a.GetTensorData<float>(), blocks, zero, rows.q.data(), rows.scale.data(), rows.offset.data(),
+               rows.total.data());
+    }
     const Job job{&rows, weight.GetTensorData<uint8_t>(), scales.GetTensorRawData(),
                   asymmetric ? offsets.GetTensorRawData() : nullptr, half, out, rows_in, K, N, format->tile_bytes};
     // Tiles in kTileBatches runs: taking thousands of tiles one by one (the lm_head has 3072)
@@ -182,25 +183,24 @@ struct QuantizedMatMulKernel {
         for (int64_t n = 0; n < N; ++n) y[m * N + n] = partial[(2 * m) * N + n] + partial[(2 * m + 1) * N + n];
   }
 
-  // split_activations: rows [2M, K] = for each row a, a itself and its residual after int8
-  // quantization, r = a - sa * q (in double, where sa * q is exact, then rounded to float once), so
-  // that the sum of the two rows' products has ~15-bit activations (the second row's own int8
-  // rounding is 1/254 of the first's). The residual is quantized like any row.
-  void split_rows(const float* a, int64_t M, int32_t zero, std::vector<float>& out) const {
+  // split_activations: row m of a [M, K] goes to quantized rows 2m (a itself) and 2m + 1 (its
+  // residual r = a - sa * q, in double, where sa * q is exact, then rounded to float once, and
+  // quantized like any row), so that the two rows' products sum to ~15-bit activations (the
+  // residual's own int8 rounding is 1/254 of the row's).
+  void quantize_split(const float* a, int64_t M, int32_t zero, QuantizedRows& rows) const {
     const int64_t KB = K / kQBlock;
-    static thread_local QuantizedRows first;
-    first.q.resize(static_cast<size_t>(M * K));
-    first.scale.resize(static_cast<size_t>(M * KB));
-    first.offset.resize(first.scale.size());
-    first.total.resize(first.scale.size());
-    quantize(a, M * KB, zero, first.q.data(), first.scale.data(), first.offset.data(), first.total.data());
-    out.resize(static_cast<size_t>(2 * M * K));
+    static thread_local std::vector<float> residual;
+    residual.resize(static_cast<size_t>(K));
     for (int64_t m = 0; m < M; ++m) {
-      std::memcpy(out.data() + 2 * m * K, a + m * K, static_cast<size_t>(K) * sizeof(float));
-      float* r = out.data() + (2 * m + 1) * K;
-      for (int64_t k = 0; k < K; ++k) {
-        const double sq = static_cast<double>(first.scale[m * KB + k / kQBlock]) * first.q[m * K + k];
-        r[k] = static_cast<float>(static_cast<double>(a[m * K + k]) - sq);
+      for (int64_t half = 0; half < 2; ++half) {
+        const int64_t r = 2 * m + half;
+        quantize(half ? residual.data() : a + m * K, KB, zero, rows.q.data() + r * K, rows.scale.data() + r * KB,
+                 rows.offset.data() + r * KB, rows.total.data() + r * KB);
+        if (half) continue;
+        for (int64_t k = 0; k < K; ++k) {
+          const double sq = static_cast<double>(rows.scale[r * KB + k / kQBlock]) * rows.q[r * K + k];
+          residual[k] = static_cast<float>(static_cast<double>(a[m * K + k]) - sq);
+        }
       }
     }
   }

@@ -179,10 +179,11 @@ def dequantize(weight, scales, N, bits, offsets=None):
     return (u.astype(np.float32) * per_row(scales) + per_row(offsets)).astype(np.float32)
 
 
-def symmetric_codes(w, bits):
+def symmetric_codes(w, bits, half=False):
     """Round-to-nearest symmetric blocks of 32 rows per column: the scale maps the block's
-    largest-magnitude weight to the lowest level (-8 or -128, as ORT's symmetric MatMulNBits does).
-    Returns (u uint8 [K, N] with the zero point added, scales [KB, N])."""
+    largest-magnitude weight to the lowest level (-8 or -128, as ORT's symmetric MatMulNBits does);
+    `half`: the scale rounded to float16 first (as GGUF's Q8_0 / Q4_0 store it), the codes rounded
+    against it. Returns (u uint8 [K, N] with the zero point added, scales [KB, N])."""
     w = np.asarray(w, dtype=np.float32)
     K, N = w.shape
     if K % Q4_BLOCK:
@@ -191,6 +192,8 @@ def symmetric_codes(w, bits):
     blocks = w.reshape(K // Q4_BLOCK, Q4_BLOCK, N)
     extreme = np.take_along_axis(blocks, np.abs(blocks).argmax(axis=1)[:, None, :], axis=1)[:, 0]
     scale = (extreme / np.float32(-zero)).astype(np.float32)  # [KB, N]
+    if half:
+        scale = scale.astype(np.float16).astype(np.float32)
     safe = np.where(scale != 0, scale, 1.0)
     u = np.clip(np.rint(blocks / safe[:, None, :]), -zero, zero - 1) + zero
     return u.reshape(K, N).astype(np.uint8), scale
