@@ -218,3 +218,22 @@ def quality(bundles, text_file, threads, json_out, peers):
 
 if __name__ == "__main__":
     main()
+
+
+@main.command()
+@click.argument("shapes", nargs=-1)
+@click.option("--out", "out", required=True, type=click.Path(path_type=Path),
+              help="folder to write the model folders in (one subfolder per shape)")
+@click.option("--seed", default=0, show_default=True)
+def shapes(shapes, out, seed):
+    """Write random-weight Hugging Face folders of published shapes (bf16 safetensors, sharded):
+    SHAPES among qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama-3.2-1b, llama-3.2-3b,
+    llama-3.1-8b (all by default). For speed and memory only: the weights are random."""
+    from .shapes import SHAPES, write_folder
+
+    for shape in shapes or SHAPES:
+        if shape not in SHAPES:
+            raise click.BadParameter(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    for shape in shapes or SHAPES:
+        click.echo(f"writing {out / shape}", err=True)
+        write_folder(shape, out / shape, seed, lambda line: click.echo(line, err=True))

@@ -206,7 +206,9 @@ def ortgenai_rows(bundles: list, threads: int, peers_dir: Path, setup: Setup) ->
     name = Path(info.folder).name
     hf = hf_folder(info.source, peers_dir / "hf" / name)
     built = {}
-    for precision in ("fp32", "int4"):
+    # the precisions of the bundles given: an int4-only run (a large model) builds no fp32 model
+    ours = {b.bundle.graphs["target"]["dtype"] for b in bundles}
+    for precision in [p for p in ("fp32", "int4") if p in ours]:
         out = peers_dir / "ortgenai" / f"{name}-{precision}"
         setup.builds.append(build_ortgenai(hf, out, precision, peers_dir / "cache"))
         built[precision] = out
@@ -214,8 +216,9 @@ def ortgenai_rows(bundles: list, threads: int, peers_dir: Path, setup: Setup) ->
         base = f"ortgenai greedy {precision}"
         setup.rows.append(Row("ortgenai", "greedy", precision, OrtGenaiRunner(folder, threads)))
         setup.rows.append(Row("ortgenai", "ngram", precision, OrtGenaiRunner(folder, threads, ORTGENAI_NGRAM), base))
-    setup.rows.append(Row("ortgenai", "draft-int4", "fp32",
-                          OrtGenaiRunner(built["fp32"], threads, ORTGENAI_DRAFT, built["int4"]), "ortgenai greedy fp32"))
+    if len(built) == 2:
+        setup.rows.append(Row("ortgenai", "draft-int4", "fp32", OrtGenaiRunner(built["fp32"], threads, ORTGENAI_DRAFT,
+                                                                            built["int4"]), "ortgenai greedy fp32"))
 
 
 # ---------------------------------------------------------------------------------------------

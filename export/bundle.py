@@ -66,8 +66,8 @@ def write_tokenizer(tokenizer, folder: Path) -> dict:
     return fields
 
 
-def eos_token_ids(model, tokenizer) -> list[int]:
-    ids = model.generation_config.eos_token_id if model.generation_config else None
+def eos_token_ids(generation_config, tokenizer) -> list[int]:
+    ids = generation_config.eos_token_id if generation_config else None
     ids = [ids] if isinstance(ids, int) else list(ids or [])
     if tokenizer.eos_token_id is not None:
         ids.append(tokenizer.eos_token_id)

@@ -20,6 +20,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+
 BLOCK = 32
 TOLERANCE = 1e-3  # allowed |ORT - reference|, relative to the reference's largest magnitude (+1)
 # Quantized graphs: allowed |ORT - reference| as a share of |reference - fp32|, per MatMul kernel.
@@ -74,16 +75,13 @@ def check_target(model, taps: list[int], bundle: Path, s: int = 5, past: int = 7
     their bounds, and `passed`. `plan`: the weight plan the graph was quantized with (default:
     symmetric blocks)."""
     from dflash.runtime.bundle import load_bundle
-    from dflash.runtime.session import make_session
 
     from .quantize import BITS, WeightPlan
     from .target import TargetGraph, example_inputs
 
     info = load_bundle(bundle)
-    session = make_session(info.graph_path("target"), info, threads=None)
     inputs = example_inputs(model.config, info.max_len, s=s, past=past, seed=1)
-    feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
-    logits, tapped = session.run(["logits", "taps"], feeds)
+    (logits, tapped), kv = run_checked(bundle, [t.numpy() for t in inputs[:4]], [t.numpy() for t in inputs[4:]])
     dtype = info.manifest["graphs"]["target"]["dtype"]
     with torch.no_grad():
         ref = [t.numpy() for t in TargetGraph(model, taps, info.max_len)(*inputs)[:2]]
@@ -92,16 +90,77 @@ def check_target(model, taps: list[int], bundle: Path, s: int = 5, past: int = 7
             plan = plan or WeightPlan(dtype, symmetric_only=True)
             with quantized_reference(graph, plan):
                 ref, fp32 = [t.numpy() for t in graph(*inputs)[:2]], ref
+    matmul = info.manifest["graphs"]["target"]["matmul"]
+    return kv(bounds([logits, tapped], ref, fp32 if dtype in BITS else None, matmul))
+
+
+def run_checked(bundle: Path, inputs: list, caches: list, resident: bool = True):
+    """The check's run of the bundle's target graph on `inputs` (ids, positions, mask, past) and
+    float32 `caches`: ([logits, taps], kv) where kv(result) adds to a check's result what the KV
+    format does. A graph whose cache stores fp16 / int8 rows is checked through its twin with
+    float32 caches (the same nodes and weights, written beside it for the run, then removed), so
+    its bounds are a float32 cache's: a new value near a rounding edge of the format can be stored
+    a step apart by ORT and by torch (their float32 sums differ in the last bits), and on a real
+    model int8 activations amplify that step past any useful bound (SmolLM2 int4: taps 314 apart
+    for an fp16 cache, 7 for a float32 one). The graph itself then runs on the caches stored in its
+    format: how far that moves the logits is recorded (`kv_logits`), and must be finite. That rows
+    are stored and read exactly is the op's own test (tests/test_kv_formats.py)."""
+    import onnx
+
+    from dflash.runtime.bundle import load_bundle
+    from dflash.runtime.session import make_session
+
+    from .target import store_kv_as
+
+    info = load_bundle(bundle)
+    graph, kv_dtype = info.graph_path("target"), info.kv.get("dtype", "fp32")
+
+    def run(path, cache_values):
+        session = make_session(path, info, threads=None, resident=resident)
+        names = [i.name for i in session.get_inputs()]
+        return session.run(["logits", "taps"], dict(zip(names, inputs + cache_values)))
+
+    if kv_dtype == "fp32":
+        return run(graph, caches), lambda result: result
+    twin = graph.with_name(f"{graph.stem}.fp32-cache.onnx")
+    model = onnx.load(str(graph), load_external_data=False)
+    store_kv_as(model, "fp32", info.kv["head_dim"])
+    onnx.save(model, str(twin))
+    try:
+        got = run(twin, caches)
+    finally:
+        twin.unlink()
+    stored, _ = stored_caches([torch.from_numpy(c) for c in caches], kv_dtype)
+    moved = float(np.abs(run(graph, stored)[0] - got[0]).max())
+
+    def kv(result: dict) -> dict:
+        return {**result, "kv_logits": moved, "passed": result["passed"] and bool(np.isfinite(moved))}
+
+    return got, kv
+
+
+def stored_caches(caches, kv_dtype: str):
+    """Random float caches as the graph takes them (numpy, in the KV format) and as its
+    attention reads them back (torch float32): the inputs of ORT and of the reference."""
+    from dflash.ops.reference import kv_load, kv_store
+
+    stored = [kv_store(c.numpy(), kv_dtype) for c in caches]
+    return stored, [torch.from_numpy(kv_load(c, kv_dtype, t.shape[-1])) for c, t in zip(stored, caches)]
+
+
+def bounds(got, ref, fp32=None, matmul=None) -> dict:
+    """{logits, taps}: max |ORT - reference| of the graph's outputs `got` against `ref`, their
+    bounds and `passed`; `fp32` (quantized graphs): the fp32 model's outputs, whose distance from
+    `ref` sets the bound."""
     result = {}
-    for i, (name, got) in enumerate((("logits", logits), ("taps", tapped))):
-        result[name] = float(np.abs(got - ref[i]).max())
+    for i, name in enumerate(("logits", "taps")):
+        result[name] = float(np.abs(got[i] - ref[i]).max())
         bound = TOLERANCE * (1 + np.abs(ref[i]).max())
-        if dtype in BITS:
+        if fp32 is not None:
             # On a real model an int8 activation that rounds the other way (the inputs differ in the
             # last bits) grows through the layers; what the graph must do is stay far closer to the
             # quantized reference than quantization moves the model.
-            share = QUANTIZED_SHARE[info.manifest["graphs"]["target"]["matmul"]]
-            bound = max(bound, share * float(np.abs(ref[i] - fp32[i]).max()))
+            bound = max(bound, QUANTIZED_SHARE[matmul] * float(np.abs(ref[i] - fp32[i]).max()))
         result[f"{name}_bound"] = float(bound)
     result["passed"] = all(result[n] <= result[f"{n}_bound"] for n in ("logits", "taps"))
     return result
@@ -118,7 +177,8 @@ def check_batched(config, bundle: Path, batch: int = 2, s: int = 5, past: int = 
     info = load_bundle(bundle)
     single = make_session(info.graph_path("target"), info, threads=None)
     batched = make_session(info.graph_path("target_batched"), info, threads=None)
-    inputs = [t.numpy() for t in example_inputs(config, info.max_len, s=s, past=past, seed=2, batch=batch)]
+    inputs = example_inputs(config, info.max_len, s=s, past=past, seed=2, batch=batch)
+    inputs = [t.numpy() for t in inputs[:4]] + stored_caches(inputs[4:], info.kv.get("dtype", "fp32"))[0]
     names = [i.name for i in batched.get_inputs()]
     logits, tapped = batched.run(["logits", "taps"], dict(zip(names, inputs)))
     for b in range(batch):

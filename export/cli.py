@@ -10,10 +10,13 @@ from pathlib import Path
 
 import click
 
+from dflash.ops import KV_DTYPES
+
 from .bundle import DiskFullError
-from .ops import ATTENTION_IMPLEMENTATIONS
+from .ops import ATTENTION_IMPLEMENTATIONS, kv_stored_as
 from .quantize import DTYPES
 from .sources import SourceError
+from .target import store_graph_kv_as
 
 
 class Progress:
@@ -87,8 +90,11 @@ def main():
               help="int4 / int8: quantize each MatMul's input as two int8 halves (~15-bit activations, as close to "
                    "fp32 as the weights allow); about free for one-token steps, twice the integer work of a "
                    "multi-row verify, so it suits plain decoding more than speculation")
+@click.option("--kv-dtype", type=click.Choice(KV_DTYPES), default="fp32", show_default=True,
+              help="how the KV cache stores its rows: fp16 halves and int8 (blocks of 32 with a scale) about "
+                   "quarters the cache's memory and the time long contexts spend reading it")
 def target(src, out, dtype, max_len, taps, attention, matmul, overwrite, batched, calibration, lm_head,
-           split_activations):
+           split_activations, kv_dtype):
     """Export the target model SRC: a Hugging Face model folder, a .gguf file, or 'default'.
 
     A GGUF's quantized tensors are kept exactly at int4 and int8 (Q4_0/Q4_1/Q4_K as MatMulQ4,
@@ -96,7 +102,8 @@ def target(src, out, dtype, max_len, taps, attention, matmul, overwrite, batched
     asymmetric blocks with an int8 lm_head."""
     try:
         export_target(src, out, dtype, max_len, taps, attention, overwrite, matmul=matmul, batched=batched,
-                      calibration=calibration, lm_head=lm_head, split_activations=split_activations)
+                      calibration=calibration, lm_head=lm_head, split_activations=split_activations,
+                      kv_dtype=kv_dtype)
     except (SourceError, DiskFullError, FileExistsError) as e:
         raise click.ClickException(str(e))
 
@@ -129,7 +136,7 @@ def weight_plan_for(source, dtype: str, matmul: str, calibration: Path | None, p
 
 def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="custom", overwrite=False,
                   source=None, matmul=None, batched=False, calibration=None, lm_head="int8",
-                  split_activations=False):
+                  split_activations=False, kv_dtype="fp32"):
     """Export SRC (or an already loaded `source`) as a target bundle in `out`."""
     from . import sources
     from .bundle import eos_token_ids, staging, write_manifest, write_tokenizer
@@ -140,21 +147,29 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
     matmul = kernel_for(dtype, attention, matmul)  # q4, q8: rows round alike for any row count
     if batched and attention != "custom":
         raise SourceError(f"--batched needs --attention custom (this project's ops), not {attention}")
-    progress = Progress((5 if dtype == "fp32" else 6) + ((2 if dtype == "fp32" else 3) if batched else 0)
-                        + bool(calibration))
-    progress(f"loading {src}")
-    source = source or sources.load(src)
-    config = source.model.config
+    if kv_dtype != "fp32" and attention != "custom":
+        raise SourceError(f"--kv-dtype {kv_dtype} needs --attention custom (this project's ops), not {attention}")
+    streamed = (source is None and not batched and not calibration and attention == "custom"
+                and matmul in (None, "q4", "q8") and sources.streamable(src))
+    progress = Progress((5 if dtype == "fp32" or streamed else 6)
+                        + ((2 if dtype == "fp32" else 3) if batched else 0) + bool(calibration))
+    progress(f"{'reading' if streamed else 'loading'} {src}")
+    source = source or (sources.describe(src) if streamed else sources.load(src))
+    config = source.config
     if max_len < 2:
         raise SourceError(f"--max-len {max_len} is too small; give the KV-cache capacity in tokens")
     tap_ids = parse_taps(taps, config.num_hidden_layers)
     plan = weight_plan_for(source, dtype, matmul, calibration, progress, lm_head, split_activations)
     with staging(Path(out), overwrite) as folder:
-        progress(f"exporting the {source.architecture} target graph "
-                 f"({sum(p.numel() for p in source.model.parameters()) / 1e6:.0f}M parameters, "
-                 f"attention {attention}, capacity {max_len})")
-        graphs = {"target": {"file": export_graph(source.model, tap_ids, max_len, attention, folder, "target",
-                                                  dtype, matmul, progress, plan=plan), "dtype": dtype, "matmul": matmul}}
+        if streamed:
+            graph_file, refs = stream_graph(src, config, tap_ids, max_len, folder, dtype, plan, progress, kv_dtype)
+        else:
+            progress(f"exporting the {source.architecture} target graph "
+                     f"({sum(p.numel() for p in source.model.parameters()) / 1e6:.0f}M parameters, "
+                     f"attention {attention}, capacity {max_len})")
+            graph_file = export_graph(source.model, tap_ids, max_len, attention, folder, "target", dtype, matmul,
+                                      progress, plan=plan, kv_dtype=kv_dtype)
+        graphs = {"target": {"file": graph_file, "dtype": dtype, "matmul": matmul}}
         if plan is not None:
             graphs["target"]["weights"] = dict(plan.counts)
             if split_activations:
@@ -164,15 +179,15 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
             progress("exporting the batched target graph")
             graphs["target_batched"] = {**graphs["target"], "file": export_graph(
                 source.model, tap_ids, max_len, attention, folder, "target_batched", dtype, matmul, progress, True,
-                plan=plan)}
+                plan=plan, kv_dtype=kv_dtype)}
         progress("writing tokenizer and manifest")
         manifest = {
             "model_id": source.model_id, "source": source.path, "architecture": source.architecture,
             "graphs": graphs,
             "vocab_size": config.vocab_size, "hidden_size": config.hidden_size,
-            "max_len": max_len, "kv": kv_layout(config), "taps": tap_ids,
+            "max_len": max_len, "kv": kv_layout(config, kv_dtype), "taps": tap_ids,
             "attention": attention, "ops_library": "dflash_ops" if attention == "custom" else None,
-            "eos_token_ids": eos_token_ids(source.model, source.tokenizer),
+            "eos_token_ids": eos_token_ids(source.generation_config, source.tokenizer),
             "block_size": None, "mask_token_id": None,
             **write_tokenizer(source.tokenizer, folder),
         }
@@ -180,10 +195,18 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
         activations = "split (two int8)" if split_activations else "int8"
         reference = "torch" if dtype == "fp32" else f"torch with {dtype} weights and {activations} activations"
         progress(f"checking ONNX Runtime against {reference} on random inputs")
-        diff = check_target(source.model, tap_ids, folder, plan=plan)
+        if streamed:
+            from .stream import compare
+
+            diff = compare(folder, config, refs, dtype, matmul)
+        else:
+            diff = check_target(source.model, tap_ids, folder, plan=plan)
         verdict = "passed" if diff["passed"] else "FAILED"
         click.echo(f"  max |logits(ORT) - reference| = {diff['logits']:.3g} (bound {diff['logits_bound']:.3g}), "
                    f"taps {diff['taps']:.3g} (bound {diff['taps_bound']:.3g}): {verdict}", err=True)
+        if "kv_logits" in diff:
+            click.echo(f"  (checked with float32 caches; storing the cache's rows in {kv_dtype} moves the logits "
+                       f"by {diff['kv_logits']:.3g} at most on these inputs)", err=True)
         if not diff["passed"]:
             raise SourceError(f"the exported {dtype} graph does not compute what the model does (see the check "
                               "above); nothing was written. This is a bug in the exporter or the op library: "
@@ -200,22 +223,39 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
     return manifest
 
 
+def stream_graph(src, config, tap_ids, max_len, folder: Path, dtype, plan, progress, kv_dtype="fp32"):
+    """The target graph streamed from the folder SRC (export/stream.py): its file name and the
+    check's reference outputs."""
+    from .stream import export_streamed
+
+    if config.hidden_act not in ("silu", "swish"):
+        raise SourceError(f"hidden_act {config.hidden_act!r} is not supported (only silu)")
+    if getattr(config, "use_sliding_window", False):
+        raise SourceError("sliding-window attention is not supported; export a full-attention model")
+    name = "target" if dtype == "fp32" else f"target_{dtype}"
+    progress(f"streaming the {config.model_type} target graph from {src} ({config.num_hidden_layers} layers, "
+             f"{dtype}, capacity {max_len}), layer by layer with the check's reference")
+    return export_streamed(Path(src), config, tap_ids, max_len, folder, name, plan,
+                           lambda line: click.echo(line, err=True), kv_dtype)
+
+
 def export_graph(model, tap_ids, max_len, attention, folder: Path, name: str, dtype, matmul, progress,
-                 batched=False, plan=None) -> str:
+                 batched=False, plan=None, kv_dtype="fp32") -> str:
     """Export the target graph as folder/NAME.onnx, quantized to `dtype` with weight plan `plan`
-    (then NAME_DTYPE.onnx, the fp32 one removed): the file name."""
+    (then NAME_DTYPE.onnx, the fp32 one removed), its caches in format kv_dtype: the file name."""
     from .quantize import quantize
-    from .target import export_onnx
+    from .target import export_onnx, kv_layout
 
     fp32_path = folder / f"{name}.onnx"
     export_onnx(model, tap_ids, max_len, attention, fp32_path, batched=batched)
-    if dtype == "fp32":
-        return fp32_path.name
-    progress(f"quantizing to {dtype} ({ {'q4': 'MatMulQ4', 'q8': 'MatMulQ8'}.get(matmul, 'MatMulNBits')})")
-    graph = f"{name}_{dtype}.onnx"
-    quantize(fp32_path, folder / graph, dtype, matmul, plan=plan)
-    fp32_path.unlink()
-    (folder / f"{name}.onnx.data").unlink()
+    graph = fp32_path.name
+    if dtype != "fp32":
+        progress(f"quantizing to {dtype} ({ {'q4': 'MatMulQ4', 'q8': 'MatMulQ8'}.get(matmul, 'MatMulNBits')})")
+        graph = f"{name}_{dtype}.onnx"
+        quantize(fp32_path, folder / graph, dtype, matmul, plan=plan)
+        fp32_path.unlink()
+        (folder / f"{name}.onnx.data").unlink()
+    store_graph_kv_as(folder / graph, kv_dtype, kv_layout(model.config)["head_dim"])
     return graph
 
 
@@ -320,16 +360,15 @@ def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()
     progress(f"loading the drafter {src} and the target's embedding and lm_head")
     drafter = DFlashDrafter.load(src)
     c = drafter.config
-    target = sources.load(manifest["source"]).model
-    check_drafter_fits(c, target.config, manifest, src)
+    target_config, embed, lm_head = sources.vocab_weights(manifest["source"])
+    check_drafter_fits(c, target_config, manifest, src)
     if draft_vocab:
         from .draft_vocab import corpus_texts, frequent_tokens
 
         progress(f"choosing the {draft_vocab} most frequent tokens for the draft vocabulary")
         drafter.d2t = frequent_tokens(target_dir / "tokenizer.json", draft_vocab, corpus_texts(vocab_text),
                                       within=drafter.d2t)
-    embed = target.get_input_embeddings().weight.detach().float()
-    lm_head = target.lm_head.weight.detach().float().t().contiguous()
+    lm_head = lm_head.t().contiguous()
     capacity = manifest["max_len"] + c.block_size  # the block's scratch rows follow the context
     work = target_dir / ".drafter.partial"
     shutil.rmtree(work, ignore_errors=True)
@@ -341,6 +380,7 @@ def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()
         export_onnx(drafter, embed, lm_head, capacity, manifest["attention"], work / graph)
         if dtype != "fp32":
             graph = quantize_drafter(work, graph, dtype, manifest, progress)
+        store_graph_kv_as(work / graph, kv_dtype_of(manifest), c.head_dim)
         progress("checking ONNX Runtime against the torch reference")
         diff = check_drafter(drafter, embed, lm_head, capacity, work / graph, manifest)
         click.echo(f"  max |logits(ORT) - logits(torch)| = {diff:.3g}", err=True)
@@ -363,8 +403,8 @@ def export_dflash(src, target_dir, dtype="fp32", draft_vocab=None, vocab_text=()
                           "mask_token_id": c.mask_token_id, "target_layer_ids": c.target_layer_ids,
                           "capacity": capacity, "draft_vocab": None if drafter.d2t is None else len(drafter.d2t),
                           "refine": c.refine, "copy": c.copy,
-                          "kv": {"layers": c.layers, "kv_heads": c.kv_heads,
-                                                       "heads": c.heads, "head_dim": c.head_dim},
+                          "kv": {"layers": c.layers, "kv_heads": c.kv_heads, "heads": c.heads,
+                                 "head_dim": c.head_dim, "dtype": kv_dtype_of(manifest)},
                           "export_check": {"logits": diff}}
     write_manifest(target_dir, manifest)
     return manifest
@@ -395,12 +435,10 @@ def export_eagle3(src, target_dir, dtype: str = "fp32") -> dict:
     progress = Progress(4 + (dtype != "fp32"))
     manifest = read_target_manifest(target_dir)
     progress(f"loading the EAGLE-3 head {src} and the target's embedding")
-    target = sources.load(manifest["source"]).model
-    tc = target.config
+    tc, embed, _ = sources.vocab_weights(manifest["source"])
     head = Eagle3Head.load(src, tc.num_hidden_layers)
     c = head.config
     check_eagle3_fits(c, tc, manifest, src, target_dir)
-    embed = target.get_input_embeddings().weight.detach().float()
     capacity = manifest["max_len"] + EAGLE3_SCRATCH_ROWS
     progress(f"exporting the head's graph ({c.layout} layout, taps {c.taps}, draft vocabulary "
              f"{c.draft_vocab_size})")
@@ -410,6 +448,7 @@ def export_eagle3(src, target_dir, dtype: str = "fp32") -> dict:
     try:
         graph = "eagle3.onnx"
         export_onnx(head, embed, capacity, manifest["attention"], work / graph)
+        store_graph_kv_as(work / graph, kv_dtype_of(manifest), c.head_dim)  # kept by the quantization
         progress("checking ONNX Runtime against the torch reference")
         diff = check_eagle3(head, embed, capacity, work / graph, manifest)
         click.echo(f"  max |logits(ORT) - logits(torch)| = {diff:.3g}", err=True)
@@ -430,7 +469,8 @@ def export_eagle3(src, target_dir, dtype: str = "fp32") -> dict:
     manifest["graphs"]["eagle3"] = {"file": graph, "dtype": dtype, "matmul": kernel_for(dtype, manifest["attention"])}
     manifest["eagle3"] = {"source": str(Path(src).resolve()), "taps": c.taps, "capacity": capacity,
                           "hidden_size": c.hidden_size, "draft_vocab": c.draft_vocab_size,
-                          "kv": {"kv_heads": c.kv_heads, "head_dim": c.head_dim}, "export_check": {"logits": diff}}
+                          "kv": {"kv_heads": c.kv_heads, "head_dim": c.head_dim, "dtype": kv_dtype_of(manifest)},
+                          "export_check": {"logits": diff}}
     write_manifest(target_dir, manifest)
     return manifest
 
@@ -471,11 +511,27 @@ def check_eagle3(head, embed, capacity: int, graph: Path, manifest: dict) -> flo
     worst = 0.0
     for n, m in ((5, 0), (0, 3), (2, 2)):
         inputs = example_inputs(head.config, capacity, n=n, m=m, past=7, seed=n + m)
-        feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
+        feeds, inputs = cache_feeds(session, inputs, 2, manifest)
         out = session.run(["logits"], feeds)[0]
-        with torch.no_grad():
+        with torch.no_grad(), kv_stored_as(kv_dtype_of(manifest)):
             worst = max(worst, float(np.abs(out - reference(*inputs)[3].numpy()).max()))
     return worst
+
+
+def kv_dtype_of(manifest: dict) -> str:
+    """The target's KV cache format: its drafters' caches store rows alike."""
+    return manifest["kv"].get("dtype", "fp32")
+
+
+def cache_feeds(session, inputs, caches: int, manifest: dict):
+    """A drafter check's ORT feeds and reference inputs: its last `caches` inputs are its KV
+    caches, fed in the bundle's format and given to the reference as the graph reads them."""
+    from .check import stored_caches
+
+    stored, as_read = stored_caches(inputs[-caches:], kv_dtype_of(manifest))
+    inputs = (*inputs[:-caches], *as_read)
+    values = [t.numpy() for t in inputs[:-caches]] + stored
+    return {i.name: v for i, v in zip(session.get_inputs(), values)}, inputs
 
 
 def read_target_manifest(target_dir: Path) -> dict:
@@ -580,9 +636,9 @@ def check_drafter(drafter, embed, lm_head, capacity: int, graph: Path, manifest:
     worst = 0.0
     for n in (0, 1, drafter.config.block_size):
         inputs = example_inputs(drafter.config, capacity, n=n, past=7, seed=n)
-        feeds = {i.name: t.numpy() for i, t in zip(session.get_inputs(), inputs)}
+        feeds, inputs = cache_feeds(session, inputs, 2 * drafter.config.layers, manifest)
         out = session.run(["logits"], feeds)[0]
-        with torch.no_grad():
+        with torch.no_grad(), kv_stored_as(kv_dtype_of(manifest)):
             worst = max(worst, float(np.abs(out - reference(*inputs)[0].numpy()).max()))
     return worst
 

@@ -27,6 +27,7 @@ instead of dozens (node dispatch, not arithmetic, dominates a one-token step):
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import onnx
@@ -41,6 +42,32 @@ MS_DOMAIN, DFLASH_DOMAIN = "com.microsoft", "ai.dflash"
 
 
 # ---- torch side ------------------------------------------------------------
+
+# The format the graph's KV cache stores rows in (dflash.ops.KV_DTYPES). The eager attention
+# below rounds its new rows through it as TreeAttention does before attending to them, so the
+# export check's reference computes what the graph does; `kv_stored_as` sets it.
+_kv_dtype = "fp32"
+
+
+@contextlib.contextmanager
+def kv_stored_as(kv_dtype: str):
+    global _kv_dtype
+    before, _kv_dtype = _kv_dtype, kv_dtype
+    try:
+        yield
+    finally:
+        _kv_dtype = before
+
+
+def as_stored(rows: torch.Tensor, head_dim: int) -> torch.Tensor:
+    """New K/V rows [B, S, Hkv*D] as the cache returns them once stored."""
+    if _kv_dtype == "fp32":
+        return rows
+    from dflash.ops.reference import kv_load, kv_store
+
+    heads = rows.reshape(*rows.shape[:-1], -1, head_dim).numpy()
+    return torch.from_numpy(kv_load(kv_store(heads, _kv_dtype), _kv_dtype, head_dim)).reshape(rows.shape)
+
 
 @torch.library.custom_op("dflash::rms_norm", mutates_args=())
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -100,6 +127,7 @@ def cached_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor
                      mask: torch.Tensor, scale: float, num_heads: int, kv_num_heads: int
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     s, head_dim = query.shape[1], key_cache.shape[-1]
+    key, value = as_stored(key, head_dim), as_stored(value, head_dim)
     pasts = past_len.reshape(-1).expand(query.shape[0])  # one length for all, or one per sequence
     present_k, present_v = key_cache.clone(), value_cache.clone()
     group = num_heads // kv_num_heads
@@ -178,18 +206,19 @@ _schema("GroupQueryAttention", MS_DOMAIN,
         [_F("output", "T"), _F("present_key", "T"), _F("present_value", "T")],
         [("T", ["tensor(float)"], ""), ("M", ["tensor(int32)"], ""), ("P", ["tensor(int64)"], "")],
         _ATTENTION_ATTRS + [("causal", _INT)])
+_CACHE_TYPES = ("C", ["tensor(float)", "tensor(float16)", "tensor(uint8)"], "")  # the KV formats
 _schema("TreeAttention", DFLASH_DOMAIN,
-        [_F("query", "T"), _F("key", "T"), _F("value", "T"), _F("key_cache", "T"),
-         _F("value_cache", "T"), _F("past_len", "I"), _F("mask", "B")],
-        [_F("output", "T"), _F("present_key", "T"), _F("present_value", "T")],
-        [("T", ["tensor(float)"], ""), ("I", ["tensor(int64)"], ""), ("B", ["tensor(bool)"], "")],
+        [_F("query", "T"), _F("key", "T"), _F("value", "T"), _F("key_cache", "C"),
+         _F("value_cache", "C"), _F("past_len", "I"), _F("mask", "B")],
+        [_F("output", "T"), _F("present_key", "C"), _F("present_value", "C")],
+        [("T", ["tensor(float)"], ""), _CACHE_TYPES, ("I", ["tensor(int64)"], ""), ("B", ["tensor(bool)"], "")],
         _ATTENTION_ATTRS)
 
 _schema("PackedTreeAttention", DFLASH_DOMAIN,
-        [_F("qkv", "T"), _F("key_cache", "T"), _F("value_cache", "T"), _F("past_len", "I"), _F("mask", "B"),
+        [_F("qkv", "T"), _F("key_cache", "C"), _F("value_cache", "C"), _F("past_len", "I"), _F("mask", "B"),
          _F("position_ids", "I"), _F("cos_cache", "T"), _F("sin_cache", "T")],
-        [_F("output", "T"), _F("present_key", "T"), _F("present_value", "T")],
-        [("T", ["tensor(float)"], ""), ("I", ["tensor(int64)"], ""), ("B", ["tensor(bool)"], "")],
+        [_F("output", "T"), _F("present_key", "C"), _F("present_value", "C")],
+        [("T", ["tensor(float)"], ""), _CACHE_TYPES, ("I", ["tensor(int64)"], ""), ("B", ["tensor(bool)"], "")],
         _ATTENTION_ATTRS)
 
 _onnx = Opset("", 1)  # SimplifiedLayerNormalization is an ORT op in the default domain

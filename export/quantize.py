@@ -68,13 +68,22 @@ class WeightPlan:
         self.counts: Counter = Counter()
 
     def __call__(self, w, lm_head: bool = False):
-        from .blocks import searched, symmetric
         from .imatrix import weight_key
 
         value = weight_key(w)  # hashed once: the lm_head alone is tens of millions of values
         key = value + bytes([lm_head])
-        if key in self.cache:
-            return self.cache[key]
+        if key not in self.cache:
+            weight, kind = self.quantize(w, lm_head, self.importance.get(value))
+            self.counts[kind] += 1
+            self.cache[key] = weight
+        return self.cache[key]
+
+    def quantize(self, w, lm_head: bool = False, importance=None):
+        """(BlockWeight, what was done to it) for weight w [K, N], not cached: the streaming
+        exporter quantizes a weight a slice of columns at a time (blocks run along K, so columns
+        quantize independently) and counts the weight once (`counts`)."""
+        from .blocks import searched, symmetric
+
         found = self.gguf.find(w) if self.gguf is not None and not self.symmetric_only else None
         if found is not None and lm_head and found.bits > self.lm_head_bits:
             found = None  # a narrower lm_head asked for: searched from the file's values
@@ -86,13 +95,10 @@ class WeightPlan:
         elif (lm_head and self.lm_head_bits == 8) or self.bits == 8:  # float16 scales, as GGUF's Q8_0
             weight, kind = symmetric(w, 8, half=True), "round-to-nearest"
         else:
-            importance = self.importance.get(value)
             weight = searched(w, self.bits, importance)
             kind = "searched" + (" with the importance matrix" if importance is not None else "")
-        self.counts[f"{kind} ({'MatMulQ4' if weight.bits == 4 else 'MatMulQ8'}"
-                    f"{', asymmetric' if weight.offsets is not None else ''})"] += 1
-        self.cache[key] = weight
-        return weight
+        return weight, (f"{kind} ({'MatMulQ4' if weight.bits == 4 else 'MatMulQ8'}"
+                        f"{', asymmetric' if weight.offsets is not None else ''})")
 
     def summary(self) -> str:
         return "; ".join(f"{n} {kind}" for kind, n in sorted(self.counts.items()))

@@ -20,11 +20,17 @@ class SourceError(ValueError):
 
 @dataclass
 class Source:
-    model: object  # transformers PreTrainedModel, float32, eval mode
+    model: object  # transformers PreTrainedModel, float32, eval mode; None: not loaded (streamed)
     tokenizer: object  # transformers fast tokenizer
     model_id: str
     path: str  # absolute path of the folder or GGUF the weights came from
     architecture: str
+    config: object = None  # the model's config (model.config when loaded)
+    generation_config: object = None
+
+    def __post_init__(self):
+        if self.model is not None:
+            self.config, self.generation_config = self.model.config, self.model.generation_config
 
 
 def default_gguf_path() -> Path:
@@ -130,3 +136,47 @@ def load(src: str) -> Source:
                           f"{', ...' if len(missing) > 3 else ''}): the weight files are incomplete or belong "
                           "to another model; copy or download the complete weight files")
     return Source(model.eval(), tokenizer, model_id, str(path.resolve()), arch)
+
+
+def streamable(src) -> bool:
+    """Whether SRC is a Hugging Face folder with safetensors weights: the exporter then streams it
+    (export/stream.py) instead of loading the model."""
+    path = Path(str(src)).expanduser()
+    return src != "default" and path.is_dir() and any(path.glob("*.safetensors"))
+
+
+def describe(src: str) -> Source:
+    """A folder's config, generation config and tokenizer, its weights left on disk (for the
+    streaming exporter)."""
+    from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+
+    path = Path(src).expanduser()
+    arch = _check_architecture(folder_architecture(path), str(path / "config.json"))
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(path))
+        config = AutoConfig.from_pretrained(str(path))
+    except (OSError, ValueError) as e:
+        raise SourceError(f"could not read the model's config or tokenizer from {path}: {e}") from e
+    try:
+        generation = GenerationConfig.from_pretrained(str(path))
+    except OSError:  # no generation_config.json: the config's own eos id
+        generation = GenerationConfig.from_model_config(config)
+    return Source(None, tokenizer, src, str(path.resolve()), arch, config, generation)
+
+
+def vocab_weights(src: str):
+    """What a drafter's export needs of its target: (config, input embedding [V, H], lm_head
+    [V, H]), float32. A folder's are read from its safetensors (the model stays on disk, so
+    drafters of 8B targets export in a few GB); other sources are loaded."""
+    import torch
+
+    if not streamable(src):
+        model = load(src).model
+        return (model.config, model.get_input_embeddings().weight.detach().float(),
+                model.lm_head.weight.detach().float())
+    from .tensors import FolderTensors
+
+    config, tensors = describe(src).config, FolderTensors(Path(src).expanduser())
+    embed = torch.from_numpy(tensors.get("model.embed_tokens.weight"))
+    tied = getattr(config, "tie_word_embeddings", False) and "lm_head.weight" not in tensors
+    return config, embed, embed if tied else torch.from_numpy(tensors.get("lm_head.weight"))

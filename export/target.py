@@ -2,7 +2,8 @@
 
 Inputs   input_ids [1,S] int64, position_ids [1,S] int64 (prefix length + tree depth),
          tree_mask [S,S] bool (row i may see new row j), past_len [] int64,
-         past_key_i / past_value_i [1,Hkv,C,D] float32 for every layer i.
+         past_key_i / past_value_i [1,Hkv,C,W] for every layer i: float32 (W = D), or with
+         `--kv-dtype` float16 (W = D) or int8 rows (uint8, W = D + 4*ceil(D/32); dflash.ops).
 Outputs  logits [1,S,V], taps [1,S,T*H] (outputs of the tap layers, concatenated),
          present_key_i / present_value_i: the same buffers with rows past_len..past_len+S-1
          written; the runtime binds them to the past buffers so the update is in place.
@@ -15,6 +16,9 @@ serves all sequences.  Each sequence gets the bits it gets alone.
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import onnx
 import torch
 
 from . import ops
@@ -104,11 +108,11 @@ class CacheIO:
         self.value_out = [None] * len(self.key_caches)
 
 
-def rotary_tables(model, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
+def rotary_tables(rotary_emb, max_len: int) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin [max_len, D/2] from the model's own rotary module (any rope scaling)."""
     positions = torch.arange(max_len).unsqueeze(0)
     dummy = torch.zeros(1, dtype=torch.float32)
-    cos, sin = model.model.rotary_emb(dummy, positions)
+    cos, sin = rotary_emb(dummy, positions)
     half = cos.shape[-1] // 2
     return cos[0, :, :half].contiguous(), sin[0, :, :half].contiguous()
 
@@ -129,7 +133,7 @@ class TargetGraph(torch.nn.Module):
         self.layers = torch.nn.ModuleList(DecoderLayer(layer, config, fused_ops) for layer in model.model.layers)
         self.eps = float(config.rms_norm_eps)
         self.taps = list(taps)
-        cos, sin = rotary_tables(model, max_len)
+        cos, sin = rotary_tables(model.model.rotary_emb, max_len)
         self.register_buffer("cos", cos)
         self.register_buffer("sin", sin)
 
@@ -160,10 +164,35 @@ def cache_names(num_layers: int) -> tuple[list[str], list[str]]:
     return past, present
 
 
-def kv_layout(config) -> dict:
+def kv_layout(config, kv_dtype: str = "fp32") -> dict:
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     return {"layers": config.num_hidden_layers, "kv_heads": config.num_key_value_heads,
-            "heads": config.num_attention_heads, "head_dim": head_dim}
+            "heads": config.num_attention_heads, "head_dim": head_dim, "dtype": kv_dtype}
+
+
+def store_kv_as(model, kv_dtype: str, head_dim: int) -> None:
+    """Type the graph's cache inputs and outputs (past_*, present_*) for the KV format kv_dtype:
+    TreeAttention stores and reads its rows in the caches' own type (dflash.ops.KV_DTYPES)."""
+    from dflash.ops import KV_DTYPES, kv_row_width
+
+    names = ("past_key_", "past_value_", "present_key_", "present_value_")
+    for value in (*model.graph.input, *model.graph.output):
+        if value.name.startswith(names):
+            tensor = value.type.tensor_type
+            tensor.elem_type = KV_DTYPES[kv_dtype][1]
+            tensor.shape.dim[3].dim_value = kv_row_width(kv_dtype, head_dim)
+    kept = [v for v in model.graph.value_info if not v.name.startswith(names)]
+    del model.graph.value_info[:]
+    model.graph.value_info.extend(kept)
+
+
+def store_graph_kv_as(path: Path, kv_dtype: str, head_dim: int) -> None:
+    """store_kv_as on a saved graph (its weights stay in the external data file)."""
+    if kv_dtype == "fp32":
+        return
+    model = onnx.load(str(path), load_external_data=False)
+    store_kv_as(model, kv_dtype, head_dim)
+    onnx.save(model, str(path))
 
 
 def example_inputs(config, max_len: int, s: int = 3, past: int = 2, seed: int = 0, batch: int | None = None):

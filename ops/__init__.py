@@ -28,7 +28,18 @@ ENV_VAR = "DFLASH_OPS_LIB"
 
 _BUILD_HINT = "run `make ops` (or `bash ops/build.sh`) in the dflash-ort source tree"
 
-__all__ = ["DOMAIN", "OP", "OP_VERSION", "OpsLibraryError", "library_path", "register"]
+# The KV cache formats TreeAttention stores rows in (kv_format.h): the name users give
+# (`--kv-dtype`), the cache arrays' numpy dtype and ONNX element type. int8 rows hold D codes,
+# then one float32 scale per block of KV_INT8_BLOCK values.
+KV_DTYPES = {"fp32": ("float32", 1), "fp16": ("float16", 10), "int8": ("uint8", 2)}
+KV_INT8_BLOCK = 32
+
+
+def kv_row_width(kv_dtype: str, head_dim: int) -> int:
+    """The caches' last dimension for rows of head_dim values in format kv_dtype."""
+    return head_dim + 4 * -(-head_dim // KV_INT8_BLOCK) if kv_dtype == "int8" else head_dim
+
+__all__ = ["DOMAIN", "KV_DTYPES", "OP", "OP_VERSION", "OpsLibraryError", "kv_row_width", "library_path", "register"]
 
 
 class OpsLibraryError(RuntimeError):

@@ -7,6 +7,7 @@
 
 #include "kernels.h"
 
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -206,6 +207,119 @@ DFLASH_BODY void swiglu_generic(const float* x, int64_t I, float* out) {
   }
 }
 
+// Cache rows widened to float32 (kv_format.h). float16: the bits rebuilt lane-wise (normal
+// values rebias the exponent; subnormals are m * 2^-24, exact in float32). q8: int8 times the
+// block's scale, one rounding, so every path gives the same floats.
+template <class F> struct Narrow;
+template <> struct Narrow<vf4> {
+  typedef uint16_t u16 __attribute__((vector_size(8)));
+  typedef int8_t s8 __attribute__((vector_size(4)));
+};
+template <> struct Narrow<vf8> {
+  typedef uint16_t u16 __attribute__((vector_size(16)));
+  typedef int8_t s8 __attribute__((vector_size(8)));
+};
+template <> struct Narrow<vf16> {
+  typedef uint16_t u16 __attribute__((vector_size(32)));
+  typedef int8_t s8 __attribute__((vector_size(16)));
+};
+
+template <class F> DFLASH_BODY F widen_half_lanes(const uint16_t* h) {
+  typedef typename IntVec<F>::type I;
+  typename Narrow<F>::u16 raw;
+  std::memcpy(&raw, h, sizeof raw);
+  const I x = __builtin_convertvector(raw, I);
+  const I sign = (x & 0x8000) << 16, e = (x >> 10) & 0x1f, m = x & 0x3ff;
+  const I normal = sign | ((e + 112) << 23) | (m << 13);
+  const I special = sign | 0x7f800000 | (m << 13);  // inf, NaN
+  const F tiny = __builtin_convertvector(m, F) * 5.9604644775390625e-08f;  // 2^-24
+  I tiny_bits;
+  std::memcpy(&tiny_bits, &tiny, sizeof tiny_bits);
+  const I bits = e == 0 ? (tiny_bits | sign) : (e == 31 ? special : normal);
+  F out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+inline float widen_half(uint16_t h) {
+  const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
+  uint32_t bits = sign | ((e + 112) << 23) | (m << 13);
+  if (e == 31) bits = sign | 0x7f800000u | (m << 13);
+  if (e == 0) {
+    const float tiny = static_cast<float>(m) * 5.9604644775390625e-08f;
+    std::memcpy(&bits, &tiny, sizeof bits);
+    bits |= sign;
+  }
+  float out;
+  std::memcpy(&out, &bits, sizeof out);
+  return out;
+}
+
+template <class F> DFLASH_BODY void widen_f16_generic(const uint16_t* h, int64_t n, float* out) {
+  constexpr int W = sizeof(F) / sizeof(float);
+  int64_t i = 0;
+  for (; i + W <= n; i += W) store(out + i, widen_half_lanes<F>(h + i));
+  for (; i < n; ++i) out[i] = widen_half(h[i]);
+}
+
+template <class F> DFLASH_BODY void widen_q8_generic(const uint8_t* rows, int64_t n_rows, int64_t D, float* out) {
+  constexpr int W = sizeof(F) / sizeof(float);
+  const int64_t stride = row_bytes(KvFormat::q8, D);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const uint8_t* row = rows + r * stride;
+    float* dst = out + r * D;
+    for (int64_t b = 0; b < q8_blocks(D); ++b) {
+      float s;
+      std::memcpy(&s, row + D + 4 * b, sizeof s);
+      const int64_t d0 = b * kQ8Block, d1 = std::min(D, d0 + kQ8Block);
+      int64_t d = d0;
+      for (; d + W <= d1; d += W) {
+        typename Narrow<F>::s8 q;
+        std::memcpy(&q, row + d, sizeof q);
+        store(dst + d, __builtin_convertvector(q, F) * s);
+      }
+      for (; d < d1; ++d) dst[d] = static_cast<float>(static_cast<int8_t>(row[d])) * s;
+    }
+  }
+}
+
+// Dot products along D (Kernels::scores_dot): W-wide partial sums over the row in order, the
+// last D % W values zero-padded, then lanes l and l^(W/2), l^(W/4), ... added pairwise.
+template <class F> DFLASH_BODY float butterfly_sum(F a) {
+  typedef typename IntVec<F>::type I;
+  constexpr int W = sizeof(F) / sizeof(float);
+  for (int half = W / 2; half >= 1; half /= 2) {
+    I partner;
+    for (int l = 0; l < W; ++l) partner[l] = l ^ half;
+    a = a + __builtin_shuffle(a, partner);
+  }
+  return a[0];
+}
+
+template <class F>
+DFLASH_BODY void scores_dot_generic(const float* q, int64_t V, int64_t Vp, int64_t D, const float* k, int64_t n,
+                                    float* s) {
+  constexpr int W = sizeof(F) / sizeof(float);
+  const int64_t Dw = D / W * W;
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + j * D;
+    float* sj = s + j * Vp;
+    for (int64_t m = 0; m < V; ++m) {
+      const float* qm = q + m * D;
+      F acc = splat<F>(0.0f);
+      for (int64_t d = 0; d < Dw; d += W) acc += load<F>(qm + d) * load<F>(kj + d);
+      if (Dw < D) {
+        float a[W] = {}, b[W] = {};
+        std::memcpy(a, qm + Dw, (D - Dw) * sizeof(float));
+        std::memcpy(b, kj + Dw, (D - Dw) * sizeof(float));
+        acc += load<F>(a) * load<F>(b);
+      }
+      sj[m] = butterfly_sum(acc);
+    }
+    std::fill(sj + V, sj + Vp, 0.0f);
+  }
+}
+
 void scores_portable(const float* qT, int64_t Vp, int64_t D, const float* k, int64_t n, float* s) {
   scores_generic<vf4>(qT, Vp, D, k, n, s);
 }
@@ -216,7 +330,15 @@ void accumulate_portable(const float* p, int64_t Vp, int64_t V, int64_t n, const
                          float* acc, const float* alpha) {
   accumulate_generic<vf4>(p, Vp, V, n, v, D, acc, alpha);
 }
-const Kernels kPortable = {"portable", scores_portable, softmax_portable, accumulate_portable};
+void widen_f16_portable(const uint16_t* h, int64_t n, float* out) { widen_f16_generic<vf4>(h, n, out); }
+void widen_q8_portable(const uint8_t* rows, int64_t n_rows, int64_t D, float* out) {
+  widen_q8_generic<vf4>(rows, n_rows, D, out);
+}
+void scores_dot_portable(const float* q, int64_t V, int64_t Vp, int64_t D, const float* k, int64_t n, float* s) {
+  scores_dot_generic<vf4>(q, V, Vp, D, k, n, s);
+}
+const Kernels kPortable = {"portable", scores_portable, scores_dot_portable, softmax_portable, accumulate_portable,
+                           widen_f16_portable, widen_q8_portable};
 void swiglu_portable(const float* x, int64_t I, float* out) { swiglu_generic<vf4>(x, I, out); }
 
 #ifdef DFLASH_HAVE_X86_DISPATCH
@@ -231,7 +353,16 @@ DFLASH_AVX2 void accumulate_avx2(const float* p, int64_t Vp, int64_t V, int64_t 
                                  float* acc, const float* alpha) {
   accumulate_generic<vf8>(p, Vp, V, n, v, D, acc, alpha);
 }
-const Kernels kAvx2 = {"avx2", scores_avx2, softmax_avx2, accumulate_avx2};
+DFLASH_AVX2 void widen_f16_avx2(const uint16_t* h, int64_t n, float* out) { widen_f16_generic<vf8>(h, n, out); }
+DFLASH_AVX2 void widen_q8_avx2(const uint8_t* rows, int64_t n_rows, int64_t D, float* out) {
+  widen_q8_generic<vf8>(rows, n_rows, D, out);
+}
+DFLASH_AVX2 void scores_dot_avx2(const float* q, int64_t V, int64_t Vp, int64_t D, const float* k, int64_t n,
+                                 float* s) {
+  scores_dot_generic<vf8>(q, V, Vp, D, k, n, s);
+}
+const Kernels kAvx2 = {"avx2", scores_avx2, scores_dot_avx2, softmax_avx2, accumulate_avx2, widen_f16_avx2,
+                       widen_q8_avx2};
 DFLASH_AVX2 void swiglu_avx2(const float* x, int64_t I, float* out) { swiglu_generic<vf8>(x, I, out); }
 #endif
 
@@ -380,7 +511,42 @@ DFLASH_AVX512 void accumulate_avx512(const float* p, int64_t Vp, int64_t V, int6
   }
 }
 
-const Kernels kAvx512 = {"avx512", scores_avx512, softmax_avx512, accumulate_avx512};
+DFLASH_AVX512 void widen_f16_avx512(const uint16_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16)  // vcvtph2ps is exact, as the generic path
+    _mm512_storeu_ps(out + i, _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h + i))));
+  for (; i < n; ++i) out[i] = widen_half(h[i]);
+}
+DFLASH_AVX512 void widen_q8_avx512(const uint8_t* rows, int64_t n_rows, int64_t D, float* out) {
+  widen_q8_generic<vf16>(rows, n_rows, D, out);
+}
+// Kernels::scores_dot: 16-wide partial sums (the tail masked to zeros), then the butterfly:
+// 256-bit halves, 128-bit quarters, pairs, neighbours.
+DFLASH_AVX512 void scores_dot_avx512(const float* q, int64_t V, int64_t Vp, int64_t D, const float* k, int64_t n,
+                                     float* s) {
+  const int64_t D16 = D / 16 * 16;
+  const __mmask16 tail = static_cast<__mmask16>((1u << (D - D16)) - 1u);
+  for (int64_t j = 0; j < n; ++j) {
+    const float* kj = k + j * D;
+    float* sj = s + j * Vp;
+    for (int64_t m = 0; m < V; ++m) {
+      const float* qm = q + m * D;
+      __m512 acc = _mm512_setzero_ps();
+      for (int64_t d = 0; d < D16; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qm + d), _mm512_loadu_ps(kj + d), acc);
+      if (D16 < D)
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, qm + D16), _mm512_maskz_loadu_ps(tail, kj + D16), acc);
+      acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, _MM_SHUFFLE(1, 0, 3, 2)));
+      acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, _MM_SHUFFLE(2, 3, 0, 1)));
+      acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, _MM_SHUFFLE(1, 0, 3, 2)));
+      acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, _MM_SHUFFLE(2, 3, 0, 1)));
+      sj[m] = _mm512_cvtss_f32(acc);
+    }
+    std::fill(sj + V, sj + Vp, 0.0f);
+  }
+}
+
+const Kernels kAvx512 = {"avx512", scores_avx512, scores_dot_avx512, softmax_avx512, accumulate_avx512,
+                         widen_f16_avx512, widen_q8_avx512};
 DFLASH_AVX512 void swiglu_avx512(const float* x, int64_t I, float* out) { swiglu_generic<vf16>(x, I, out); }
 #endif  // DFLASH_HAVE_AVX512
 

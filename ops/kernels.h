@@ -8,10 +8,12 @@
 //   qT  [D][Vp]   query vectors, transposed, already multiplied by scale*log2(e)
 //   s   [n][Vp]   scores (base-2 logits), then probabilities, of n key rows
 //   acc [V][D]    unnormalised output rows
-//   k,v [n][D]    key / value rows straight from the cache buffer (row stride D)
+//   k,v [n][D]    key / value rows: a float32 cache's own rows, or rows widened from float16 / q8
 #pragma once
 
 #include <cstdint>
+
+#include "kv_format.h"
 
 namespace dflash {
 
@@ -21,6 +23,11 @@ struct Kernels {
   const char* name;
   // s[j][m] = sum_d qT[d][m] * k[j][d]   for j < n <= kKeyBlock, m < Vp
   void (*scores)(const float* qT, int64_t Vp, int64_t D, const float* k, int64_t n, float* s);
+  // The same from query rows q [V][D] (not transposed), s[j][m] = 0 for V <= m < Vp: each score a
+  // dot product along D, SIMD-wide partial sums then a fixed butterfly, so its bits depend on
+  // its own query and key row only. No padding lanes are computed: for a few query vectors
+  // (plain decoding: one row, H/Hkv vectors) it does a fraction of `scores`' work.
+  void (*scores_dot)(const float* q, int64_t V, int64_t Vp, int64_t D, const float* k, int64_t n, float* s);
   // One online-softmax step in base 2, per lane m (masked scores are -inf):
   //   m_new = max(m_run, max_j s[j][m]); alpha[m] = 2^(m_run - m_new);
   //   s[j][m] = 2^(s[j][m] - m_new); l_run = l_run * alpha + sum_j s[j][m]; m_run = m_new.
@@ -29,6 +36,10 @@ struct Kernels {
   // acc[m][:] = acc[m][:] * alpha[m] + sum_j p[j][m] * v[j][:]   for m < V
   void (*accumulate)(const float* p, int64_t Vp, int64_t V, int64_t n, const float* v, int64_t D,
                      float* acc, const float* alpha);
+  // Stored cache rows widened to float32, exactly (kv_format.h): n float16 values, or n_rows
+  // rows of the q8 format (row_bytes(q8, D) apart) into n_rows rows of D floats.
+  void (*widen_f16)(const uint16_t* h, int64_t n, float* out);
+  void (*widen_q8)(const uint8_t* rows, int64_t n_rows, int64_t D, float* out);
 };
 
 const Kernels& portable_kernels();

@@ -328,3 +328,40 @@ def swiglu(x):
     """SwiGLU in float64: silu(x[..., :I]) * x[..., I:]."""
     gate, up = np.split(x.astype(np.float64), 2, axis=-1)
     return (gate / (1.0 + np.exp(-gate)) * up).astype(np.float32)
+
+
+# ------------------------------------------------------------------------------------------------
+# KV cache formats (kv_format.h): rows of D values as TreeAttention stores them.
+
+from dflash.ops import KV_INT8_BLOCK as Q8_BLOCK  # noqa: E402
+from dflash.ops import kv_row_width  # noqa: E402,F401  (the tests' import)
+
+
+def kv_store(x, kv_dtype: str) -> np.ndarray:
+    """Float rows [..., D] in the cache format: fp16 rounded to nearest even; int8 per block of 32
+    values q = rint(x / s), s = max|x| / 127 (float32), the scales' bytes after the D codes."""
+    x = np.asarray(x, dtype=np.float32)
+    if kv_dtype == "fp32":
+        return x.copy()
+    if kv_dtype == "fp16":
+        return x.astype(np.float16)
+    D = x.shape[-1]
+    codes, scales = [], []
+    for d0 in range(0, D, Q8_BLOCK):
+        block = x[..., d0:d0 + Q8_BLOCK]
+        s = (np.abs(block).max(axis=-1, keepdims=True) / np.float32(127)).astype(np.float32)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            q = np.where(s > 0, np.rint(block / s), 0).clip(-127, 127)
+        codes.append(q.astype(np.int8).view(np.uint8))
+        scales.append(s)
+    return np.concatenate(codes + [np.concatenate(scales, axis=-1).view(np.uint8)], axis=-1)
+
+
+def kv_load(stored, kv_dtype: str, D: int) -> np.ndarray:
+    """Cache rows back to float32 rows [..., D], as the op widens them."""
+    stored = np.asarray(stored)
+    if kv_dtype != "int8":
+        return stored.astype(np.float32)
+    codes = stored[..., :D].view(np.int8).astype(np.float32)
+    scales = np.ascontiguousarray(stored[..., D:]).view(np.float32)
+    return codes * np.repeat(scales, Q8_BLOCK, axis=-1)[..., :D]

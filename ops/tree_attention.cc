@@ -6,9 +6,10 @@
 //   0 query       float [B, S, H*D]        rotary already applied
 //   1 key         float [B, S_kv, Hkv*D]   new key rows, rotary already applied
 //   2 value       float [B, S_kv, Hkv*D]   new value rows
-//   3 key_cache   float [B, Hkv, C, D]     sequence b's rows < its past_len are valid
-//   4 value_cache float [B, Hkv, C, D]
-//   5 past_len    int64 (or int32), shape [] or [1] (every sequence), or [B] (one per sequence)
+//   3 key_cache   [B, Hkv, C, W]           sequence b's rows < its past_len are valid; float32 or
+//   4 value_cache [B, Hkv, C, W]           float16 (W = D), or uint8 in the q8 format (kv_format.h,
+//                                          W = D + 4*ceil(D/32)); the two alike
+//   5 past_len    int64, shape [] or [1] (every sequence), or [B] (one per sequence)
 //   6 mask        bool  [S, S_kv]          query row i may attend new row j iff mask[i, j]
 //                                          (causal, tree = ancestor-or-self, all-true = bidirectional),
 //                                          the same for every sequence
@@ -17,12 +18,13 @@
 //   1/sqrt(D)). D = key width / Hkv.
 // Outputs
 //   0 output        float [B, S, H*D]
-//   1 present_key   float [B, Hkv, C, D]
-//   2 present_value float [B, Hkv, C, D]
+//   1 present_key   [B, Hkv, C, W]  the caches' type
+//   2 present_value [B, Hkv, C, W]
 //
 // Behaviour
 //   Each sequence is computed as it would be alone, bit for bit.
-//   present_* = the input caches with the new rows written at rows past_len .. past_len+S_kv-1.
+//   present_* = the input caches with the new rows written at rows past_len .. past_len+S_kv-1,
+//   in the caches' format; attention reads every key and value, new rows included, as stored.
 //   When a present output is the same memory as its cache input (IOBinding of one buffer to both,
 //   the normal case), only the new rows are written, in place; otherwise the input cache is first
 //   copied to the output. Query row i, head h uses kv head h / (H/Hkv) and attends to every cache
@@ -52,6 +54,7 @@
 #include <vector>
 
 #include "kernels.h"
+#include "kv_format.h"
 #include "quantized_matmul.h"
 #include "op_support.h"
 
@@ -111,8 +114,10 @@ int64_t round_up(int64_t a, int64_t b) { return ceil_div(a, b) * b; }
 struct Plan {
   const float* q;
   const uint8_t* mask;  // [S, S_kv]
-  const float* kc;      // present_key  [Hkv, C, D], new rows already written
-  const float* vc;      // present_value
+  const uint8_t* kc;    // present_key  [Hkv, C, row], new rows already written
+  const uint8_t* vc;    // present_value
+  KvFormat kv;          // the caches' format, row_bytes bytes a row
+  int64_t row_bytes;
   float* out;
   int64_t S, Skv, H, Hkv, G, D, C, past, T;  // T = past + S_kv keys in total
   float qscale;                              // scale * log2(e): the softmax works in base 2
@@ -124,6 +129,27 @@ struct Plan {
   // row of the block holding row `past`: the rows below it are whole blocks of cache rows.
   const uint8_t* regroup;
   int64_t tail_begin;
+  bool dot;  // scores as dot products of query rows (S <= kDotRows), else from transposed queries
+};
+
+// Calls of up to this many query rows (the runtime's largest, its MAX_ROWS) score keys with
+// Kernels::scores_dot: plain decoding and every verify then compute a query row's scores alike
+// (the property losslessness rests on), without the padding lanes that make `scores` cost
+// 16/(H/Hkv) times the useful work for one row. Longer calls (the op used directly) take the
+// transposed-query kernel, faster when the lanes are full.
+constexpr int64_t kDotRows = 64;
+
+// The scores of an item's query vectors against n key rows: s [n][Vp].
+struct Scorer {
+  const Plan& p;
+  const float* q;  // p.dot: rows [V][D]; else transposed [D][Vp]
+  int64_t V, Vp;
+  void operator()(const float* k, int64_t n, float* s) const {
+    if (p.dot)
+      p.kern->scores_dot(q, V, Vp, p.D, k, n, s);
+    else
+      p.kern->scores(q, Vp, p.D, k, n, s);
+  }
 };
 
 // Work decomposition. Query vectors of one kv head are grouped up to ~64 per item (the K/V rows
@@ -164,6 +190,22 @@ void make_plan(Plan& p) {
   p.vmax = rows * G;
 }
 
+// Rows [r0, r0 + n) of kv head g of a present cache as float32 rows of D: a float32 cache's own
+// memory, else the stored rows widened into `buf` (valid until its next use).
+const float* cache_rows(const Plan& p, const uint8_t* cache, int64_t g, int64_t r0, int64_t n, Scratch& buf) {
+  const uint8_t* src = cache + (g * p.C + r0) * p.row_bytes;
+  if (p.kv == KvFormat::f32) return reinterpret_cast<const float*>(src);
+  float* out = buf.get(static_cast<size_t>(std::max<int64_t>(1, n * p.D)));
+  if (p.kv == KvFormat::f16)
+    p.kern->widen_f16(reinterpret_cast<const uint16_t*>(src), n * p.D, out);
+  else
+    p.kern->widen_q8(src, n, p.D, out);
+  return out;
+}
+
+// Each pool thread's buffers for widened key and value rows.
+thread_local Scratch key_rows, value_rows;
+
 // The key blocks from p.tail_begin on of the query rows [i0, i1) within chunk c, by rank.
 // A tree node off the first chain sees its ancestors and itself at verify rows with gaps between
 // them; decoded alone, the same token sees the same keys at consecutive rows. So the k-th new row
@@ -174,7 +216,7 @@ void make_plan(Plan& p) {
 // after the softmax, each rank's weights go back to the rows they came from and the new value rows
 // are summed in row order, which for every lane is its rank order. Every step is lane-wise, so a
 // lane gets the bits plain decoding gives it.
-void ranked_blocks(const Plan& p, int64_t g, int64_t c, int64_t i0, int64_t i1, const float* qT, int64_t Vp,
+void ranked_blocks(const Plan& p, int64_t g, int64_t c, int64_t i0, int64_t i1, const Scorer& score, int64_t Vp,
                    float* s, float* m_run, float* l_run, float* acc, float* alpha) {
   static thread_local Scratch scratch;
   static thread_local std::vector<int64_t> kth, seen;  // kth[r * Skv + k]: the k-th new row row i0 + r sees
@@ -198,16 +240,16 @@ void ranked_blocks(const Plan& p, int64_t g, int64_t c, int64_t i0, int64_t i1, 
   float* pnew = snew + nj * Vp;
   float* ones = pnew + nj * Vp;
   std::fill(ones, ones + Vp, 1.0f);
-  const float* kbase = p.kc + g * p.C * D;
-  const float* vbase = p.vc + g * p.C * D;
-  for (int64_t j = 0; j < nj; j += kKeyBlock)
-    p.kern->scores(qT, Vp, D, kbase + (p.past + j_first + j) * D, std::min(kKeyBlock, nj - j), snew + j * Vp);
+  for (int64_t j = 0; j < nj; j += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, nj - j);
+    score(cache_rows(p, p.kc, g, p.past + j_first + j, n, key_rows), n, snew + j * Vp);
+  }
 
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t r0 = r_begin; r0 < r_end; r0 += kKeyBlock) {  // r_begin is a multiple of kKeyBlock
     const int64_t nc = std::max<int64_t>(0, std::min(p.past, r0 + kKeyBlock) - r0);  // cache rows
     const int64_t k0 = std::max(r0, p.past) - p.past, k1 = std::min(r0 + kKeyBlock, r_end) - p.past;
-    if (nc > 0) p.kern->scores(qT, Vp, D, kbase + r0 * D, nc, s);
+    if (nc > 0) score(cache_rows(p, p.kc, g, r0, nc, key_rows), nc, s);
     std::fill(s + nc * Vp, s + (nc + k1 - k0) * Vp, neg_inf);
     int64_t j_last = k0;  // new rows k0 .. j_last-1 hold this block's ranks
     for (int64_t r = 0; r < i1 - i0; ++r)
@@ -217,13 +259,14 @@ void ranked_blocks(const Plan& p, int64_t g, int64_t c, int64_t i0, int64_t i1, 
         j_last = std::max(j_last, j + 1);
       }
     p.kern->softmax(s, nc + k1 - k0, Vp, m_run, l_run, alpha);
-    if (nc > 0) p.kern->accumulate(s, Vp, V, nc, vbase + r0 * D, D, acc, alpha);
+    if (nc > 0) p.kern->accumulate(s, Vp, V, nc, cache_rows(p, p.vc, g, r0, nc, value_rows), D, acc, alpha);
     std::fill(pnew, pnew + (j_last - k0) * Vp, 0.0f);
     for (int64_t r = 0; r < i1 - i0; ++r)
       for (int64_t k = k0; k < std::min(k1, seen[r]); ++k)
         std::copy_n(s + (nc + k - k0) * Vp + r * G, G, pnew + (kth[r * Skv + k] - k0) * Vp + r * G);
     // The cache rows' call already rescaled acc by alpha; this one continues the same sums.
-    p.kern->accumulate(pnew, Vp, V, j_last - k0, vbase + (p.past + k0) * D, D, acc, nc > 0 ? ones : alpha);
+    p.kern->accumulate(pnew, Vp, V, j_last - k0, cache_rows(p, p.vc, g, p.past + k0, j_last - k0, value_rows), D,
+                       acc, nc > 0 ? ones : alpha);
   }
 }
 
@@ -248,18 +291,18 @@ void run_item(const Plan& p, int64_t item) {
   float* alpha = l_run + Vp;
 
   // Query vectors of rows i0..i1-1, heads g*G..g*G+G-1 are contiguous in q: row i's G heads
-  // start at q + i*H*D + g*G*D. Transpose them into the lanes of qT.
+  // start at q + i*H*D + g*G*D. Scaled into rows [V][D] (p.dot), or transposed into the lanes of qT.
   for (int64_t v = 0; v < V; ++v) {
     const float* src = p.q + (i0 + v / G) * H * D + (g * G + v % G) * D;
-    for (int64_t d = 0; d < D; ++d) qT[d * Vp + v] = src[d] * p.qscale;
+    for (int64_t d = 0; d < D; ++d) (p.dot ? qT[v * D + d] : qT[d * Vp + v]) = src[d] * p.qscale;
   }
-  for (int64_t d = 0; d < D; ++d) std::fill(qT + d * Vp + V, qT + (d + 1) * Vp, 0.0f);
+  if (!p.dot)
+    for (int64_t d = 0; d < D; ++d) std::fill(qT + d * Vp + V, qT + (d + 1) * Vp, 0.0f);
+  const Scorer score{p, qT, V, Vp};
   std::fill(m_run, m_run + Vp, -std::numeric_limits<float>::infinity());
   std::fill(l_run, l_run + Vp, 0.0f);
   std::fill(acc, acc + V * D, 0.0f);
 
-  const float* kbase = p.kc + g * p.C * D;
-  const float* vbase = p.vc + g * p.C * D;
   const int64_t t_begin = c * p.chunk_len;
   int64_t t_end = std::min(p.T, t_begin + p.chunk_len);
   // Trailing new rows that no row of this group may see are skipped (with a causal mask, the
@@ -277,7 +320,7 @@ void run_item(const Plan& p, int64_t item) {
     const int64_t n = std::min(kKeyBlock, t_end - t0);
     const int64_t j_begin = std::max(t0, p.past);  // first new (masked) key row in this block
     if (j_begin >= t0 + n) {
-      p.kern->scores(qT, Vp, D, kbase + t0 * D, n, s);
+      score(cache_rows(p, p.kc, g, t0, n, key_rows), n, s);
     } else {
       // The block holds new rows: skip it if no row of this group may see any of them.
       bool any = t0 < p.past;
@@ -286,7 +329,7 @@ void run_item(const Plan& p, int64_t item) {
         for (int64_t t = j_begin; t < t0 + n; ++t) any |= mrow[t - p.past] != 0;
       }
       if (!any) continue;
-      p.kern->scores(qT, Vp, D, kbase + t0 * D, n, s);
+      score(cache_rows(p, p.kc, g, t0, n, key_rows), n, s);
       // Masked (query row, new key) pairs get -inf, for all G heads of the row (lanes r*G .. r*G+G-1).
       const float neg_inf = -std::numeric_limits<float>::infinity();
       for (int64_t i = i0; i < i1; ++i) {
@@ -297,9 +340,9 @@ void run_item(const Plan& p, int64_t item) {
       }
     }
     p.kern->softmax(s, n, Vp, m_run, l_run, alpha);
-    p.kern->accumulate(s, Vp, V, n, vbase + t0 * D, D, acc, alpha);
+    p.kern->accumulate(s, Vp, V, n, cache_rows(p, p.vc, g, t0, n, value_rows), D, acc, alpha);
   }
-  if (by_rank) ranked_blocks(p, g, c, i0, i1, qT, Vp, s, m_run, l_run, acc, alpha);
+  if (by_rank) ranked_blocks(p, g, c, i0, i1, score, Vp, s, m_run, l_run, acc, alpha);
 
   if (p.n_chunks == 1) {
     for (int64_t v = 0; v < V; ++v) {
@@ -346,17 +389,36 @@ void merge_item(const Plan& p, int64_t item) {
   }
 }
 
-// Copy the whole input cache into a distinct output buffer, one kv head per task.
-void copy_cache(OrtKernelContext* ctx, const float* src, float* dst, int64_t heads, size_t per_head) {
+// Copy the whole input cache into a distinct output buffer, one kv head (per_head bytes) per task.
+void copy_cache(OrtKernelContext* ctx, const uint8_t* src, uint8_t* dst, int64_t heads, size_t per_head) {
   if (src == dst || per_head == 0) return;
   const size_t total = per_head * static_cast<size_t>(heads);
   if (dst < src + total && src < dst + total) {  // overlapping but not identical: be safe
-    std::memmove(dst, src, total * sizeof(float));
+    std::memmove(dst, src, total);
     return;
   }
   parallel_for(ctx, heads, [&](int64_t h) {
-    std::memcpy(dst + h * per_head, src + h * per_head, per_head * sizeof(float));
+    std::memcpy(dst + h * per_head, src + h * per_head, per_head);
   }, "cache copy failed");
+}
+
+// The caches' format from their element type; value_cache and the present outputs must match.
+KvFormat cache_format(const Ort::ConstValue& key_cache, const Ort::ConstValue& value_cache, const char* prefix) {
+  const auto kt = key_cache.GetTensorTypeAndShapeInfo().GetElementType();
+  const auto vt = value_cache.GetTensorTypeAndShapeInfo().GetElementType();
+  if (kt != vt) fail(prefix, "key_cache is ", dtype_name(kt), " but value_cache is ", dtype_name(vt));
+  switch (kt) {
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT: return KvFormat::f32;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT16: return KvFormat::f16;
+    case ONNX_TENSOR_ELEMENT_DATA_TYPE_UINT8: return KvFormat::q8;
+    default: fail(prefix, "key_cache must be float32, float16 or uint8 (the q8 format), got ", dtype_name(kt));
+  }
+}
+
+void check_present_type(const Ort::UnownedValue& present, const Ort::ConstValue& cache, const char* what) {
+  const auto have = present.GetTensorTypeAndShapeInfo().GetElementType();
+  const auto want = cache.GetTensorTypeAndShapeInfo().GetElementType();
+  if (have != want) fail(what, " is ", dtype_name(have), " but its cache input is ", dtype_name(want));
 }
 
 // Attention of B sequences at once. Sequence b: S query rows (q + b*S*H*D, unscaled) over its cache
@@ -364,9 +426,9 @@ void copy_cache(OrtKernelContext* ctx, const float* src, float* dst, int64_t hea
 // (pk / pv + b*Hkv*C*D), under the one mask [S, Skv]; into out + b*S*H*D. Every sequence gets the
 // plan it would get alone (so its bits do not depend on the batch), and the work items of all of
 // them share one pass over the pool.
-void attend(OrtKernelContext* context, const Kernels* kern, const float* q, const uint8_t* mask, const float* pk,
-            const float* pv, float* out, int64_t B, int64_t S, int64_t Skv, int64_t H, int64_t Hkv, int64_t D,
-            int64_t C, const int64_t* pasts, float scale) {
+void attend(OrtKernelContext* context, const Kernels* kern, const float* q, const uint8_t* mask, const uint8_t* pk,
+            const uint8_t* pv, KvFormat kv, float* out, int64_t B, int64_t S, int64_t Skv, int64_t H, int64_t Hkv,
+            int64_t D, int64_t C, const int64_t* pasts, float scale) {
   static thread_local std::vector<Plan> plans;
   static thread_local std::vector<uint8_t> regroup;
   static thread_local std::vector<int64_t> first_item, first_merge;  // prefix sums over the sequences
@@ -383,8 +445,10 @@ void attend(OrtKernelContext* context, const Kernels* kern, const float* q, cons
     const int64_t past = pasts[b];
     plan.q = q + b * S * H * D;
     plan.mask = mask;
-    plan.kc = pk + b * Hkv * C * D;
-    plan.vc = pv + b * Hkv * C * D;
+    plan.kv = kv;
+    plan.row_bytes = row_bytes(kv, D);
+    plan.kc = pk + b * Hkv * C * plan.row_bytes;
+    plan.vc = pv + b * Hkv * C * plan.row_bytes;
     plan.out = out + b * S * H * D;
     plan.S = S;
     plan.Skv = Skv;
@@ -397,6 +461,7 @@ void attend(OrtKernelContext* context, const Kernels* kern, const float* q, cons
     plan.T = past + Skv;
     plan.qscale = scale * 1.4426950408889634f;  // log2(e): the softmax works in base 2
     plan.kern = kern;
+    plan.dot = S <= kDotRows;
     make_plan(plan);
     uint8_t* rows = regroup.data() + b * S;
     for (int64_t i = 0; i < S; ++i) {
@@ -435,7 +500,7 @@ void attend(OrtKernelContext* context, const Kernels* kern, const float* q, cons
   }, "out of memory for the attention scratch buffers");
 }
 
-// past_len: one length for every sequence (shape [] or [1]) or one per sequence ([B]); int64 or int32.
+// past_len: one length for every sequence (shape [] or [1]) or one per sequence ([B]), int64.
 // Each must leave room for `rows` new rows in a cache of `C` rows. Returned in the calling thread's
 // buffer (valid until its next call), so a step allocates nothing.
 const std::vector<int64_t>& read_pasts(const Ort::ConstValue& past_in, int64_t B, int64_t rows, int64_t C,
@@ -450,11 +515,9 @@ const std::vector<int64_t>& read_pasts(const Ort::ConstValue& past_in, int64_t B
   pasts.resize(static_cast<size_t>(B));
   for (int64_t b = 0; b < B; ++b) {
     const int64_t i = n == 1 ? 0 : b;
-    switch (info.GetElementType()) {
-      case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64: pasts[b] = past_in.GetTensorData<int64_t>()[i]; break;
-      case ONNX_TENSOR_ELEMENT_DATA_TYPE_INT32: pasts[b] = past_in.GetTensorData<int32_t>()[i]; break;
-      default: fail(prefix, "past_len must be int64 (or int32), got ", dtype_name(info.GetElementType()));
-    }
+    if (info.GetElementType() != ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64)
+      fail(prefix, "past_len must be int64, got ", dtype_name(info.GetElementType()));
+    pasts[b] = past_in.GetTensorData<int64_t>()[i];
     if (pasts[b] < 0) fail(prefix, "past_len ", pasts[b], " is negative");
     if (pasts[b] > C - rows) fail(prefix, "past_len ", pasts[b], " + ", rows, " new rows exceeds cache capacity ", C);
   }
@@ -536,8 +599,10 @@ struct TreeAttentionKernel : AttentionKernelBase {
     if (qshape[2] != H * D)
       fail("query width ", qshape[2], " != num_heads ", H, " * head_dim ", D, " (head_dim = key width ",
            kshape[2], " / kv_num_heads ", Hkv, ")");
-    if (kcshape.size() != 4 || kcshape[0] != B || kcshape[1] != Hkv || kcshape[3] != D)
-      fail("key_cache must have shape [", B, ", ", Hkv, ", capacity, ", D, "], got ", shape_str(kcshape));
+    const KvFormat kv = cache_format(key_cache, value_cache, "");
+    if (kcshape.size() != 4 || kcshape[0] != B || kcshape[1] != Hkv || kcshape[3] != row_width(kv, D))
+      fail("key_cache must have shape [", B, ", ", Hkv, ", capacity, ", row_width(kv, D), "], got ",
+           shape_str(kcshape));
     if (vcshape != kcshape)
       fail("value_cache shape ", shape_str(vcshape), " differs from key_cache shape ", shape_str(kcshape));
     const int64_t C = kcshape[2];
@@ -552,16 +617,17 @@ struct TreeAttentionKernel : AttentionKernelBase {
     auto out_v = ctx.GetOutput(0, qshape);
     auto pk_v = ctx.GetOutput(1, kcshape);
     auto pv_v = ctx.GetOutput(2, vcshape);
+    check_present_type(pk_v, key_cache, "present_key");
+    check_present_type(pv_v, value_cache, "present_value");
     float* out = out_v.GetTensorMutableData<float>();
-    float* pk = pk_v.GetTensorMutableData<float>();
-    float* pv = pv_v.GetTensorMutableData<float>();
-    const float* kc = key_cache.GetTensorData<float>();
-    const float* vc = value_cache.GetTensorData<float>();
+    uint8_t* pk = static_cast<uint8_t*>(pk_v.GetTensorMutableRawData());
+    uint8_t* pv = static_cast<uint8_t*>(pv_v.GetTensorMutableRawData());
 
     // present = cache: nothing to do when IOBinding gave us the same buffer, else copy it over.
-    const size_t per_head = static_cast<size_t>(C * D);
-    copy_cache(context, kc, pk, B * Hkv, per_head);
-    copy_cache(context, vc, pv, B * Hkv, per_head);
+    const int64_t rb = row_bytes(kv, D);
+    const size_t per_head = static_cast<size_t>(C * rb);
+    copy_cache(context, static_cast<const uint8_t*>(key_cache.GetTensorRawData()), pk, B * Hkv, per_head);
+    copy_cache(context, static_cast<const uint8_t*>(value_cache.GetTensorRawData()), pv, B * Hkv, per_head);
 
     // Write the new rows: sequence b's key row j, kv head g -> its present row past_b + j of head g.
     const float* knew = key.GetTensorData<float>();
@@ -569,22 +635,50 @@ struct TreeAttentionKernel : AttentionKernelBase {
     for (int64_t b = 0; b < B; ++b)
       for (int64_t g = 0; g < Hkv; ++g)
         for (int64_t j = 0; j < Skv; ++j) {
-          const int64_t dst = ((b * Hkv + g) * C + pasts[b] + j) * D, src = (b * Skv + j) * Hkv * D + g * D;
-          std::memcpy(pk + dst, knew + src, static_cast<size_t>(D) * sizeof(float));
-          std::memcpy(pv + dst, vnew + src, static_cast<size_t>(D) * sizeof(float));
+          const int64_t dst = ((b * Hkv + g) * C + pasts[b] + j) * rb, src = (b * Skv + j) * Hkv * D + g * D;
+          store_row(kv, knew + src, D, pk + dst);
+          store_row(kv, vnew + src, D, pv + dst);
         }
     if (S == 0) return;
 
     attend(context, kern, query.GetTensorData<float>(),
-           reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, out, B, S, Skv, H, Hkv, D, C,
-           pasts.data(), scale_for(D));
+           reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, kv, out, B, S, Skv, H, Hkv, D,
+           C, pasts.data(), scale_for(D));
   }
 };
+
+// Shape inference of both attention ops: output 0 has shape `out0` (from the first input's), each
+// present cache its cache input's. (Their types are onnxruntime's: see GetInputType.)
+template <typename Out0>
+OrtStatusPtr infer_attention(OrtShapeInferContext* ort_ctx, size_t inputs, size_t key_cache, const char* name,
+                             Out0 out0) {
+  try {
+    const OrtApi& api = Ort::GetApi();
+    Ort::ShapeInferContext ctx(&api, ort_ctx);
+    if (ctx.GetInputCount() != inputs)
+      return api.CreateStatus(ORT_INVALID_ARGUMENT, (std::string(name) + ": wrong number of inputs").c_str());
+    // An input whose shape is not known yet reads as rank 0: its output's shape stays unknown.
+    Ort::Status s{nullptr};
+    if (!ctx.GetInputShape(0).empty()) s = ctx.SetOutputShape(0, out0(ctx));
+    for (size_t i = 0; i < 2 && s.IsOK(); ++i) {
+      if (ctx.GetInputShape(key_cache + i).empty()) continue;
+      OrtTensorTypeAndShapeInfo* info = nullptr;  // owned by the context; only its shape is used
+      s = Ort::Status(api.ShapeInferContext_GetInputTypeShape(ort_ctx, key_cache + i, &info));
+      if (s.IsOK()) s = Ort::Status(api.ShapeInferContext_SetOutputTypeShape(ort_ctx, 1 + i, info));
+    }
+    return s.release();
+  } catch (const std::exception& e) {
+    return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, (std::string(name) + ": " + e.what()).c_str());
+  }
+}
 
 struct TreeAttentionOp : Ort::CustomOpBase<TreeAttentionOp, TreeAttentionKernel, /*WithStatus=*/true> {
   TreeAttentionOp() {
     start_ver_ = 1;
     end_ver_ = 1;
+    OrtCustomOp::InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* ctx) -> OrtStatusPtr {
+      return infer_attention(ctx, 7, 3, kOpName, [](Ort::ShapeInferContext& c) { return c.GetInputShape(0); });
+    };
   }
 
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
@@ -596,22 +690,19 @@ struct TreeAttentionOp : Ort::CustomOpBase<TreeAttentionOp, TreeAttentionKernel,
 
   size_t GetInputTypeCount() const { return 7; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    // past_len and mask accept any type here so that a wrong type gets our own clear message.
-    if (index == 5 || index == 6) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    // The caches take any type (float32, float16, q8 bytes; the op checks). onnxruntime gives the
+    // present outputs the type of the last input that may have several, so past_len and mask
+    // must have one each: the presents then take value_cache's.
+    if (index == 3 || index == 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    if (index == 5) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    if (index == 6) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   size_t GetOutputTypeCount() const { return 3; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
-
-  // Output shapes: output = query's, presents = the caches'.
-  static OrtStatusPtr InferOutputShape(Ort::ShapeInferContext& ctx) {
-    if (ctx.GetInputCount() != 7)
-      return Ort::GetApi().CreateStatus(ORT_INVALID_ARGUMENT, "TreeAttention: expects 7 inputs");
-    Ort::Status s = ctx.SetOutputShape(0, ctx.GetInputShape(0));
-    if (s.IsOK()) s = ctx.SetOutputShape(1, ctx.GetInputShape(3));
-    if (s.IsOK()) s = ctx.SetOutputShape(2, ctx.GetInputShape(4));
-    return s.release();
+  ONNXTensorElementDataType GetOutputType(size_t index) const {
+    return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
   }
+
 };
 
 // ---- PackedTreeAttention: the projection's packed output in, rotary applied in the op ----------
@@ -620,7 +711,7 @@ struct TreeAttentionOp : Ort::CustomOpBase<TreeAttentionOp, TreeAttentionKernel,
 //   0 qkv          float [B, S, (H + 2*Hkv)*D]   q heads, then k heads, then v heads (no rotary yet)
 //   1 key_cache    float [B, Hkv, C, D]
 //   2 value_cache  float [B, Hkv, C, D]
-//   3 past_len     int64 (or int32), shape [] or [1], or [B]
+//   3 past_len     int64, shape [] or [1], or [B]
 //   4 mask         bool  [S, S]
 //   5 position_ids int64 [B, S]                  rotary position of each new row
 //   6 cos_cache    float [P, D/2]                cos/sin tables of the model's rotary embedding
@@ -661,8 +752,10 @@ struct PackedTreeAttentionKernel : AttentionKernelBase {
       fail("packed: qkv must have shape [B, S, (num_heads + 2*kv_num_heads) * head_dim] with an even head_dim, got ",
            shape_str(xshape));
     const int64_t B = xshape[0], S = xshape[1], D = xshape[2] / heads, half = D / 2, W = xshape[2];
-    if (kcshape.size() != 4 || kcshape[0] != B || kcshape[1] != Hkv || kcshape[3] != D)
-      fail("packed: key_cache must have shape [", B, ", ", Hkv, ", capacity, ", D, "], got ", shape_str(kcshape));
+    const KvFormat kv = cache_format(key_cache, value_cache, "packed: ");
+    if (kcshape.size() != 4 || kcshape[0] != B || kcshape[1] != Hkv || kcshape[3] != row_width(kv, D))
+      fail("packed: key_cache must have shape [", B, ", ", Hkv, ", capacity, ", row_width(kv, D), "], got ",
+           shape_str(kcshape));
     if (value_cache.GetTensorTypeAndShapeInfo().GetShape() != kcshape)
       fail("packed: value_cache shape differs from key_cache shape ", shape_str(kcshape));
     const int64_t C = kcshape[2];
@@ -688,17 +781,21 @@ struct PackedTreeAttentionKernel : AttentionKernelBase {
     auto out_v = ctx.GetOutput(0, {B, S, H * D});
     auto pk_v = ctx.GetOutput(1, kcshape);
     auto pv_v = ctx.GetOutput(2, kcshape);
+    check_present_type(pk_v, key_cache, "packed: present_key");
+    check_present_type(pv_v, value_cache, "packed: present_value");
     float* out = out_v.GetTensorMutableData<float>();
-    float* pk = pk_v.GetTensorMutableData<float>();
-    float* pv = pv_v.GetTensorMutableData<float>();
-    const size_t per_head = static_cast<size_t>(C * D);
-    copy_cache(context, key_cache.GetTensorData<float>(), pk, B * Hkv, per_head);
-    copy_cache(context, value_cache.GetTensorData<float>(), pv, B * Hkv, per_head);
+    uint8_t* pk = static_cast<uint8_t*>(pk_v.GetTensorMutableRawData());
+    uint8_t* pv = static_cast<uint8_t*>(pv_v.GetTensorMutableRawData());
+    const int64_t rb = row_bytes(kv, D);
+    const size_t per_head = static_cast<size_t>(C * rb);
+    copy_cache(context, static_cast<const uint8_t*>(key_cache.GetTensorRawData()), pk, B * Hkv, per_head);
+    copy_cache(context, static_cast<const uint8_t*>(value_cache.GetTensorRawData()), pv, B * Hkv, per_head);
 
-    // Rotate q into scratch; rotate k and copy v straight into their cache rows (row j of sequence
+    // Rotate q into scratch; rotate k and store k and v into their cache rows (row j of sequence
     // b is row b*S + j of qkv and of q).
-    static thread_local Scratch q_scratch;
+    static thread_local Scratch q_scratch, k_row;
     float* q = q_scratch.get(static_cast<size_t>(std::max<int64_t>(1, B * S * H * D)));
+    float* k = k_row.get(static_cast<size_t>(D));
     for (int64_t r = 0; r < B * S; ++r) {
       const int64_t b = r / S, j = r % S;
       const float* row = x + r * W;
@@ -706,14 +803,15 @@ struct PackedTreeAttentionKernel : AttentionKernelBase {
       const float* s = sin + pos[r] * half;
       for (int64_t h = 0; h < H; ++h) rotate_half(row + h * D, c, s, half, q + (r * H + h) * D);
       for (int64_t g = 0; g < Hkv; ++g) {
-        const int64_t dst = ((b * Hkv + g) * C + pasts[b] + j) * D;
-        rotate_half(row + (H + g) * D, c, s, half, pk + dst);
-        std::memcpy(pv + dst, row + (H + Hkv + g) * D, static_cast<size_t>(D) * sizeof(float));
+        const int64_t dst = ((b * Hkv + g) * C + pasts[b] + j) * rb;
+        rotate_half(row + (H + g) * D, c, s, half, k);
+        store_row(kv, k, D, pk + dst);
+        store_row(kv, row + (H + Hkv + g) * D, D, pv + dst);
       }
     }
     if (S == 0) return;
-    attend(context, kern, q, reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, out, B, S, S,
-           H, Hkv, D, C, pasts.data(), scale_for(D));
+    attend(context, kern, q, reinterpret_cast<const uint8_t*>(mask_in.GetTensorData<bool>()), pk, pv, kv, out, B, S,
+           S, H, Hkv, D, C, pasts.data(), scale_for(D));
   }
 };
 
@@ -722,6 +820,15 @@ struct PackedTreeAttentionOp
   PackedTreeAttentionOp() {
     start_ver_ = 1;
     end_ver_ = 1;
+    OrtCustomOp::InferOutputShapeFn = [](const OrtCustomOp*, OrtShapeInferContext* ctx) -> OrtStatusPtr {
+      return infer_attention(ctx, 8, 1, kPackedOpName, [](Ort::ShapeInferContext& c) {
+        auto shape = c.GetInputShape(0);  // qkv [B, S, (H + 2*Hkv)*D] -> [B, S, H*D]
+        const int64_t H = c.GetAttrInt("num_heads"), Hkv = c.GetAttrInt("kv_num_heads");
+        if (shape.size() == 3 && shape[2].IsInt() && H > 0 && Hkv > 0)
+          shape[2] = Ort::ShapeInferContext::SymbolicInteger(shape[2].AsInt() / (H + 2 * Hkv) * H);
+        return shape;
+      });
+    };
   }
   OrtStatusPtr CreateKernelV2(const OrtApi& api, const OrtKernelInfo* info, void** op_kernel) const {
     return create_attention_kernel<PackedTreeAttentionKernel>(api, info, op_kernel, kPackedOpName);
@@ -730,11 +837,17 @@ struct PackedTreeAttentionOp
   const char* GetExecutionProviderType() const { return "CPUExecutionProvider"; }
   size_t GetInputTypeCount() const { return 8; }
   ONNXTensorElementDataType GetInputType(size_t index) const {
-    if (index == 3 || index == 4 || index == 5) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;  // our messages
+    // the caches: any format (as TreeAttention's: the presents take value_cache's type)
+    if (index == 1 || index == 2) return ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+    if (index == 3 || index == 5) return ONNX_TENSOR_ELEMENT_DATA_TYPE_INT64;
+    if (index == 4) return ONNX_TENSOR_ELEMENT_DATA_TYPE_BOOL;
     return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT;
   }
   size_t GetOutputTypeCount() const { return 3; }
-  ONNXTensorElementDataType GetOutputType(size_t) const { return ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT; }
+  ONNXTensorElementDataType GetOutputType(size_t index) const {
+    return index == 0 ? ONNX_TENSOR_ELEMENT_DATA_TYPE_FLOAT : ONNX_TENSOR_ELEMENT_DATA_TYPE_UNDEFINED;
+  }
+
 };
 
 // Domains must outlive every session that uses them, including sessions destroyed during process

@@ -42,6 +42,21 @@ class Bundle:
         return tap_columns(self.manifest["taps"], self.manifest["hidden_size"], layers)
 
 
+def new_cache(kv: dict, capacity: int):
+    """A zeroed KV cache buffer [1, kv_heads, capacity, row] for the layout `kv` of a manifest,
+    whose rows are stored in kv["dtype"] (fp32 by default; fp16, int8: see dflash.ops)."""
+    import numpy as np
+
+    from dflash.ops import KV_DTYPES, kv_row_width
+
+    kv_dtype = kv.get("dtype", "fp32")
+    if kv_dtype not in KV_DTYPES:
+        raise BundleError(f"the manifest's KV cache dtype {kv_dtype!r} is none of {', '.join(KV_DTYPES)}: "
+                          "export the bundle again with this dflash-ort")
+    width = kv_row_width(kv_dtype, kv["head_dim"])
+    return np.zeros((1, kv["kv_heads"], capacity, width), KV_DTYPES[kv_dtype][0])
+
+
 def tap_columns(taps: list[int], hidden: int, layers: list[int]):
     """The columns of `layers` (each among `taps`) in a row of concatenated tap states."""
     import numpy as np

@@ -25,7 +25,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from .bundle import Bundle
+from .bundle import Bundle, new_cache
 from .drafters import Calibration, Drafter, NgramLookup
 from .policy import ALONE, MAX_DRAFT, Beside, Policy
 from .session import make_session, run_pinned
@@ -47,8 +47,7 @@ class DrafterSession:
         self.refine = bool(info.get("refine", False))  # trained with a refining second pass
         self.copy = "copy_ids" in {i.name for i in self.session.get_inputs()}  # a copy-aware drafter
         kv = info["kv"]
-        shape = (1, kv["kv_heads"], self.capacity, kv["head_dim"])
-        self.caches = [np.zeros(shape, np.float32) for _ in range(2 * kv["layers"])]
+        self.caches = [new_cache(kv, self.capacity) for _ in range(2 * kv["layers"])]
         self._cache_values = [ort.OrtValue.ortvalue_from_numpy(c) for c in self.caches]
         top_k = self.session.get_outputs()[1].shape[-1]
         vocab = self.session.get_outputs()[0].shape[-1]  # the draft vocabulary may be smaller

@@ -19,7 +19,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from .bundle import Bundle
+from .bundle import Bundle, new_cache
 from .drafters import Calibration, Drafter
 from .policy import ALONE, MAX_DRAFT, Beside, Policy
 from .session import make_session, run_pinned
@@ -38,8 +38,7 @@ class Eagle3Session:
         self.session = make_session(bundle.graph_path("eagle3"), bundle, threads, cores)
         self.capacity, self.hidden = info["capacity"], info["hidden_size"]
         self.tap_columns = bundle.tap_columns(info["taps"])
-        shape = (1, info["kv"]["kv_heads"], self.capacity, info["kv"]["head_dim"])
-        self.key, self.value = np.zeros(shape, np.float32), np.zeros(shape, np.float32)
+        self.key, self.value = new_cache(info["kv"], self.capacity), new_cache(info["kv"], self.capacity)
         self._caches = [ort.OrtValue.ortvalue_from_numpy(c) for c in (self.key, self.value)]
         self.features_width = len(self.tap_columns)
         self.top_k = {o.name: o for o in self.session.get_outputs()}["top_logprobs"].shape[-1]

@@ -20,8 +20,12 @@ def parse_cores(text: str | None) -> list[int] | None:
 
 
 def make_session(path, bundle: Bundle, threads: int | None = None,
-                 cores: list[int] | None = None) -> ort.InferenceSession:
+                 cores: list[int] | None = None, resident: bool = True) -> ort.InferenceSession:
     """A session on `threads` intra-op threads (default: one per usable core).
+
+    `resident`: the weights on huge pages and every mapped page faulted in (steady speed and
+    memory for an app); False leaves them as ORT placed them, for one-off runs such as the
+    export check (an 8B model's embedding then costs only the rows a run reads).
 
     `cores` pins the session's threads: ORT's pool threads through
     `session.intra_op_thread_affinities` (1-based logical processors, one entry per
@@ -51,6 +55,8 @@ def make_session(path, bundle: Bundle, threads: int | None = None,
         session = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
     except Exception as e:  # ORT raises its own Fail/InvalidGraph types
         raise BundleError(f"ONNX Runtime could not load {path}: {e}") from e
+    if not resident:
+        return session
     if os.environ.get("DFLASH_HUGE_PAGES", "1") != "0":  # 0: leave them on 4 KB pages (for A/B runs)
         _back_with_huge_pages(_grown(before, _anonymous_regions()))
     _read_in_mapped_weights(Path(path).parent)

@@ -22,7 +22,7 @@ import time
 import numpy as np
 import onnxruntime as ort
 
-from .bundle import Bundle, BundleError
+from .bundle import Bundle, BundleError, new_cache
 from .session import make_session, run_pinned
 
 
@@ -46,9 +46,8 @@ class Target:
         self.min_rows = 2 if exact and padded else 1
         kv = bundle.kv
         self.capacity = bundle.max_len - (self.min_rows - 1)  # the padding row needs a cache row
-        shape = (1, kv["kv_heads"], bundle.max_len, kv["head_dim"])
-        self.key_cache = [np.zeros(shape, np.float32) for _ in range(kv["layers"])]
-        self.value_cache = [np.zeros(shape, np.float32) for _ in range(kv["layers"])]
+        self.key_cache = [new_cache(kv, bundle.max_len) for _ in range(kv["layers"])]
+        self.value_cache = [new_cache(kv, bundle.max_len) for _ in range(kv["layers"])]
         width = len(bundle.taps) * bundle.hidden_size
         # Row buffers sized for the largest call; a call with S rows uses the first S.
         self._ids = np.zeros((1, MAX_ROWS), np.int64)
@@ -150,10 +149,19 @@ def check_graph_matches(session, bundle: Bundle) -> None:
     buffer the runtime binds would have the wrong shape."""
     kv, graph = bundle.kv, bundle.graph_path("target")
     shapes = {i.name: i.shape for i in (*session.get_inputs(), *session.get_outputs())}
-    expected = {"past_key_0": [1, kv["kv_heads"], bundle.max_len, kv["head_dim"]],
+    capacity = session.get_modelmeta().custom_metadata_map.get("max_len")
+    if capacity and "past_key_0" in shapes:  # a streamed graph: the capacity is symbolic, its rotary tables are not
+        shapes["past_key_0"] = [int(capacity) if isinstance(d, str) else d for d in shapes["past_key_0"]]
+    cache = new_cache(kv, 0)  # the manifest's row width and dtype
+    expected = {"past_key_0": [1, kv["kv_heads"], bundle.max_len, cache.shape[3]],
                 "logits": [1, None, bundle.vocab_size], "taps": [1, None, len(bundle.taps) * bundle.hidden_size]}
     layers = sum(name.startswith("past_key_") for name in shapes)
     problems = [f"{kv['layers']} layers in the manifest, {layers} in the graph"] if layers != kv["layers"] else []
+    have_type = {i.name: i.type for i in session.get_inputs()}.get("past_key_0")
+    want_type = "tensor(float)" if cache.dtype == np.float32 else f"tensor({cache.dtype.name})"
+    if have_type and have_type != want_type:
+        problems.append(f"the KV cache is {have_type} in the graph, {kv.get('dtype', 'fp32')} ({want_type}) "
+                        "by the manifest")
     for name, want in expected.items():
         have = shapes.get(name)
         if have is None or len(have) != len(want) or any(

@@ -43,7 +43,7 @@ def default_bundle():
 
 @pytest.fixture(scope="session")
 def spec_bundle(tiny, tmp_path_factory):
-    """spec_bundle(arch, dtype) -> a tiny target with drafters self-int8 and draft-lm (another
+    """spec_bundle(arch, dtype, kv_dtype) -> a tiny target with drafters self-int8 and draft-lm (another
     random model with the same tokenizer), exported once per session."""
     import shutil
 
@@ -52,14 +52,14 @@ def spec_bundle(tiny, tmp_path_factory):
 
     made = {}
 
-    def get(arch="llama", dtype="fp32"):
-        if (arch, dtype) not in made:
-            folder = tmp_path_factory.mktemp(f"spec_{arch}_{dtype}") / "bundle"
-            shutil.copytree(tiny(arch, dtype=dtype)[0], folder)
+    def get(arch="llama", dtype="fp32", kv_dtype="fp32"):
+        if (arch, dtype, kv_dtype) not in made:
+            folder = tmp_path_factory.mktemp(f"spec_{arch}_{dtype}_{kv_dtype}") / "bundle"
+            shutil.copytree(tiny(arch, dtype=dtype, kv_dtype=kv_dtype)[0], folder)
             other = save_model_folder("qwen2", folder.parent / "other_hf", layers=2, seed=1)
             export_draft_lm(None, folder, "int8")
             export_draft_lm(str(other), folder)
-            made[arch, dtype] = folder
-        return made[arch, dtype]
+            made[arch, dtype, kv_dtype] = folder
+        return made[arch, dtype, kv_dtype]
 
     return get

@@ -17,13 +17,14 @@ from test_speculative import chi_square_p_below
 BLOCK = 16
 
 
-def tiny_qwen3_dflash(base, copy: bool = False):
-    """A tiny 8-layer Qwen3 target (taps 1..5) and a z-lab-shaped drafter: 5 taps, block 16, GQA."""
+def tiny_qwen3_dflash(base, copy: bool = False, kv_dtype: str = "fp32"):
+    """A tiny 8-layer Qwen3 target (taps 1..5, its KV cache in kv_dtype) and a z-lab-shaped
+    drafter: 5 taps, block 16, GQA."""
     from dflash.export.cli import export_dflash, export_target
     from tiny_models import save_dflash_folder, save_model_folder
 
     hf = save_model_folder("qwen3", base / "hf", layers=8)
-    export_target(str(hf), base / "bundle", max_len=160)
+    export_target(str(hf), base / "bundle", max_len=160, kv_dtype=kv_dtype)
     manifest = json.loads((base / "bundle" / "dflash.json").read_text())
     assert manifest["taps"] == [1, 2, 3, 4, 5]
     config = json.loads((hf / "config.json").read_text())
@@ -42,6 +43,12 @@ def qwen3_dflash(tmp_path_factory):
 def qwen3_copy_dflash(tmp_path_factory):
     """The same with a copy-aware drafter (it reads lookup's copies of the block)."""
     return tiny_qwen3_dflash(tmp_path_factory.mktemp("qwen3_copy_dflash"), copy=True)
+
+
+@pytest.fixture(scope="module")
+def qwen3_int8kv_dflash(tmp_path_factory):
+    """The same over a target whose KV cache stores int8 rows."""
+    return tiny_qwen3_dflash(tmp_path_factory.mktemp("qwen3_int8kv_dflash"), kv_dtype="int8")
 
 
 @pytest.fixture(scope="module")
@@ -197,7 +204,7 @@ def prompts():
     return [[5 + i % 9 for i in range(40)], list(range(4, 70, 3)), [7, 30, 3, 90, 41]]
 
 
-@pytest.mark.parametrize("which", ["qwen3", "qwen3_copy"])
+@pytest.mark.parametrize("which", ["qwen3", "qwen3_copy", "qwen3_int8kv"])
 def test_greedy_is_lossless(which, request):
     model = Model(request.getfixturevalue(f"{which}_dflash")[0])
     assert {"dflash", "dflash-tree", "dflash-hybrid"} <= set(model.drafters)

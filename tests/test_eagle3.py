@@ -108,15 +108,15 @@ def target_vocab(hf) -> int:
     return json.loads((hf / "config.json").read_text())["vocab_size"]
 
 
-@pytest.fixture(scope="module")
-def eagle3_bundle(tiny, tmp_path_factory):
+def with_eagle3_head(tiny, tmp_path_factory, kv_dtype="fp32"):
     """A tiny target exported with the taps an EAGLE-3 head reads, and a random head added."""
     import shutil
 
     from dflash.export.cli import export_eagle3
     from tiny_models import save_eagle3_folder
 
-    bundle, hf = tiny("llama", taps="0,1,2,3")  # the head reads three of them (not 3: the last layer)
+    # the head reads three of them (not 3: the last layer)
+    bundle, hf = tiny("llama", taps="0,1,2,3", kv_dtype=kv_dtype)
     folder = tmp_path_factory.mktemp("eagle3") / "bundle"
     shutil.copytree(bundle, folder)
     head = save_eagle3_folder(folder.parent / "head", 64, target_vocab(hf), "reference", aux_ids=[0, 1, 2], draft_vocab=60,
@@ -125,10 +125,16 @@ def eagle3_bundle(tiny, tmp_path_factory):
     return folder
 
 
-def test_eagle3_modes_are_lossless(eagle3_bundle):
+@pytest.fixture(scope="module")
+def eagle3_bundle(tiny, tmp_path_factory):
+    return with_eagle3_head(tiny, tmp_path_factory)
+
+
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16"])
+def test_eagle3_modes_are_lossless(tiny, tmp_path_factory, eagle3_bundle, kv_dtype):
     from dflash.runtime import Model
 
-    model = Model(eagle3_bundle)
+    model = Model(eagle3_bundle if kv_dtype == "fp32" else with_eagle3_head(tiny, tmp_path_factory, kv_dtype))
     assert {"eagle3", "eagle3-tree", "eagle3-hybrid"} <= set(model.drafters)
     for ids in (list(range(4, 40, 3)), [5, 9, 9, 9, 12, 5, 9, 9]):
         plain = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True).tokens

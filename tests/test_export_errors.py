@@ -54,19 +54,21 @@ def test_truncated_gguf(tmp_path):
 def test_failed_export_leaves_no_bundle(tmp_path, monkeypatch):
     from tiny_models import save_model_folder
 
-    from dflash.export import target
+    from dflash.export import sources, stream, target
 
     hf = save_model_folder("llama", tmp_path / "hf")
 
     def explode(*args, **kwargs):
         raise OSError("No space left on device")
 
-    monkeypatch.setattr(target, "export_onnx", explode)
+    monkeypatch.setattr(target, "export_onnx", explode)  # the traced export
+    monkeypatch.setattr(stream.StreamExport, "save", explode)  # the streamed one, its data file written
     out = tmp_path / "bundle"
-    with pytest.raises(OSError, match="No space left"):
-        cli.export_target(str(hf), out, max_len=64)
-    assert not out.exists()
-    assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no .partial folder either
+    for source in (None, sources.load(str(hf))):  # streamed, traced
+        with pytest.raises(OSError, match="No space left"):
+            cli.export_target(str(hf), out, max_len=64, source=source)
+        assert not out.exists()
+        assert [p.name for p in tmp_path.iterdir()] == ["hf"]  # no .partial folder either
 
 
 def test_existing_bundle_needs_overwrite(tmp_path):
@@ -143,7 +145,7 @@ def test_disk_full_mid_export(tmp_path, monkeypatch, when):
 
     from tiny_models import save_model_folder
 
-    from dflash.export import bundle, target
+    from dflash.export import bundle, stream, target
 
     hf = save_model_folder("llama", tmp_path / "hf")
     out = tmp_path / "bundle"
@@ -158,7 +160,12 @@ def test_disk_full_mid_export(tmp_path, monkeypatch, when):
             path.write_bytes(b"onnx")
             path.with_name(path.name + ".data").write_bytes(b"\0" * 100_000)
             no_space()
-        monkeypatch.setattr(target, "export_onnx", partial_graph)
+        monkeypatch.setattr(target, "export_onnx", partial_graph)  # the traced export
+
+        def partial_data(self, data):  # the streamed export: the first bytes land, then the disk is full
+            self.file.write(b"\0" * 100_000)
+            no_space()
+        monkeypatch.setattr(stream.DataFile, "write", partial_data)
     else:  # graph and tokenizer written, then the manifest fails
         monkeypatch.setattr(bundle, "write_manifest", no_space)
     result = run_cli("target", str(hf), "--out", str(out), "--max-len", "64", "--overwrite")

@@ -1,5 +1,5 @@
-"""Fuzz test of the TreeAttention op: random shapes, masks, past lengths, GQA ratios and kernel
-paths must match the numpy reference, and a row must give the same bits as its query decoded
+"""Fuzz test of the TreeAttention op: random shapes, masks, past lengths, GQA ratios, cache
+formats (float32, float16, int8) and kernel paths must match the numpy reference, and a row must give the same bits as its query decoded
 alone; wrong inputs must raise a clean onnxruntime error. Every
 fourth case also runs MatMulQ4 or MatMulQ8 (in turn) at a random size against its bit-exact
 reference, and another fourth SkipRMSNorm and SwiGLU against their float64 references.
@@ -44,8 +44,8 @@ MUTATIONS = {
     "value_cache capacity": "value_cache shape",
     "mask shape": "mask must have shape",
     "mask rank": "mask must have shape",
-    "mask dtype": "mask must be bool",
-    "past dtype": "past_len must be int64",
+    "mask dtype": "input parameter (mask)",  # refused by onnxruntime at load: one type allowed
+    "past dtype": "input parameter (past_len)",
     "past shape": "past_len must be a scalar",
     "heads not a multiple": "must be a positive multiple of kv_num_heads",
     "zero kv heads": "must be a positive multiple of kv_num_heads",
@@ -53,8 +53,10 @@ MUTATIONS = {
 }
 
 
-def valid_case(rng) -> dict:
-    """A random valid configuration and its inputs."""
+def valid_case(rng, kv: str | None = None) -> dict:
+    """A random valid configuration and its inputs (caches in format `kv`, else a random one)."""
+    from dflash.ops.reference import kv_store
+
     G = int(rng.choice([1, 1, 2, 3, 4, 8, 16]))
     Hkv = int(rng.choice([1, 2, 3, 4]))
     D = int(rng.choice([1, 3, 7, 8, 16, 17, 32, 48, 64, 80, 128, 130]))
@@ -79,15 +81,15 @@ def valid_case(rng) -> dict:
     B = int(rng.choice([1, 1, 1, 2, 3]))  # sequences, each with its own cache
     pasts = [past] * B if rng.random() < 0.5 else [past] + [int(rng.integers(0, C - Skv + 1)) for _ in range(B - 1)]
     c = dict(H=H, Hkv=Hkv, D=D, S=S, Skv=Skv, past=past, C=C, B=B, pasts=pasts, kind=kind,
-             threads=int(rng.integers(1, 3)), past_type=str(rng.choice(["int64", "int32"])),
+             threads=int(rng.integers(1, 3)), past_type="int64", kv=kv or str(rng.choice(["fp32", "fp16", "int8"])),
              past_shape=[B] if len(set(pasts)) > 1 else [] if rng.random() < 0.7 else [1],
              scale=None if rng.random() < 0.3 else float(rng.uniform(0.5, 1.5) / np.sqrt(D)))
     c["feeds"] = dict(
         query=rng.standard_normal((B, S, H * D), dtype=np.float32),
         key=rng.standard_normal((B, Skv, Hkv * D), dtype=np.float32),
         value=rng.standard_normal((B, Skv, Hkv * D), dtype=np.float32),
-        key_cache=rng.standard_normal((B, Hkv, C, D), dtype=np.float32),
-        value_cache=rng.standard_normal((B, Hkv, C, D), dtype=np.float32),
+        key_cache=kv_store(rng.standard_normal((B, Hkv, C, D), dtype=np.float32), c["kv"]),
+        value_cache=kv_store(rng.standard_normal((B, Hkv, C, D), dtype=np.float32), c["kv"]),
         past_len=np.array(pasts if len(set(pasts)) > 1 else past, dtype=c["past_type"]).reshape(c["past_shape"]),
         mask=mask,
     )
@@ -164,11 +166,13 @@ def model_for(c: dict, graph: dict):
     from onnx import helper
 
     F = TensorProto.FLOAT
-    past_type = graph.get("past_type", TensorProto.INT64 if c["past_type"] == "int64" else TensorProto.INT32)
-    types = [("query", F), ("key", F), ("value", F), ("key_cache", F), ("value_cache", F),
-             ("past_len", past_type), ("mask", graph.get("mask_type", TensorProto.BOOL))]
+    cache = {"fp32": F, "fp16": TensorProto.FLOAT16, "int8": TensorProto.UINT8}[c["kv"]]
+    types = [("query", F), ("key", F), ("value", F), ("key_cache", cache), ("value_cache", cache),
+             ("past_len", graph.get("past_type", TensorProto.INT64)),
+             ("mask", graph.get("mask_type", TensorProto.BOOL))]
     inputs = [helper.make_tensor_value_info(n, t, None) for n, t in types]
-    outputs = [helper.make_tensor_value_info(n, F, None) for n in ("output", "present_key", "present_value")]
+    outputs = [helper.make_tensor_value_info(n, t, None)
+               for n, t in (("output", F), ("present_key", cache), ("present_value", cache))]
     attrs = dict(num_heads=c["H"], kv_num_heads=c["Hkv"])
     if c["scale"] is not None:
         attrs["scale"] = c["scale"]
@@ -199,22 +203,31 @@ def session_for(c: dict, graph: dict | None = None):
 
 
 def check_valid(sess, c: dict) -> str | None:
-    from dflash.ops.reference import tree_attention
+    """Against the reference over the widened caches, the new rows as stored; the presents must
+    hold the input caches with the new rows stored in the format."""
+    from dflash.ops.reference import kv_load, kv_store, tree_attention
 
-    f = c["feeds"]
+    f, kv, D, Hkv, Skv = c["feeds"], c["kv"], c["D"], c["Hkv"], c["Skv"]
     out, pk, pv = sess.run(None, f)
-    scale = c["scale"] if c["scale"] is not None else 1.0 / np.sqrt(c["D"])
+    scale = c["scale"] if c["scale"] is not None else 1.0 / np.sqrt(D)
     for b, past in enumerate(c["pasts"]):  # each sequence against the reference alone
         one = {k: v[b : b + 1] for k, v in f.items() if k not in ("past_len", "mask")}
-        ref_out, ref_pk, ref_pv = tree_attention(one["query"], one["key"], one["value"], one["key_cache"],
-                                                 one["value_cache"], np.array(past), f["mask"], scale, c["H"], c["Hkv"])
+        stored = {name: kv_store(one[name].reshape(Skv, Hkv, D).transpose(1, 0, 2), kv) for name in ("key", "value")}
+        as_read = {name: kv_load(rows, kv, D).transpose(1, 0, 2).reshape(1, Skv, Hkv * D)
+                   for name, rows in stored.items()}
+        ref_out, _, _ = tree_attention(one["query"], as_read["key"], as_read["value"],
+                                       kv_load(one["key_cache"], kv, D), kv_load(one["value_cache"], kv, D),
+                                       np.array(past), f["mask"], scale, c["H"], c["Hkv"])
         if out[b : b + 1].shape != ref_out.shape:
             return f"sequence {b}: output shape {out[b : b + 1].shape}, reference {ref_out.shape}"
         diff = float(np.abs(out[b : b + 1] - ref_out).max(initial=0.0))
         if not diff <= 1e-5:
             return f"sequence {b}: max |output - reference| = {diff:.3g}"
-        if not (np.array_equal(pk[b : b + 1], ref_pk) and np.array_equal(pv[b : b + 1], ref_pv)):
-            return f"sequence {b}: present_key/present_value differ from the reference"
+        for got, name in ((pk[b], "key"), (pv[b], "value")):
+            want = one[f"{name}_cache"][0].copy()
+            want[:, past:past + Skv] = stored[name]
+            if not np.array_equal(got, want):
+                return f"sequence {b}: present_{name} differs from the cache with the new rows stored ({kv})"
     return check_rows_alone(sess, f, out) if c["B"] == 1 else None
 
 
@@ -319,7 +332,7 @@ def run_case(i: int, seed: int) -> str | None:
     errors = (ort_state.Fail, ort_state.InvalidArgument, ort_state.RuntimeException, ort_state.InvalidGraph)
     rng = np.random.default_rng([seed, i])
     os.environ["DFLASH_OPS_KERNELS"] = KERNELS[i % len(KERNELS)]
-    c = valid_case(rng)
+    c = valid_case(rng, kv=None if i % 3 != 2 else "fp32")  # wrong inputs: float32 caches
     if i % 3 != 2:
         problem = check_valid(session_for(c), c)
         if problem is None and i % 4 == 1:
@@ -344,8 +357,8 @@ def run_case(i: int, seed: int) -> str | None:
 
 
 def describe(i: int, seed: int) -> str:
-    c = valid_case(np.random.default_rng([seed, i]))
-    keys = ("H", "Hkv", "D", "S", "Skv", "past", "C", "kind", "threads", "past_type", "past_shape", "scale")
+    c = valid_case(np.random.default_rng([seed, i]), kv=None if i % 3 != 2 else "fp32")
+    keys = ("H", "Hkv", "D", "S", "Skv", "past", "C", "kind", "threads", "kv", "past_shape", "scale")
     return f"case {i} (seed {seed}, kernels {KERNELS[i % len(KERNELS)] or 'best'}): " + \
         ", ".join(f"{k}={c[k]}" for k in keys)
 

@@ -66,11 +66,13 @@ def test_keep_rows_moves_the_accepted_path_down(tiny):
         assert cache[0, 0, 10:14, 0].tolist() == [10, 11, 14, 16]
 
 
-def test_quantized_rows_round_alike_whatever_the_row_count(tiny):
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8"])
+def test_quantized_rows_round_alike_whatever_the_row_count(tiny, kv_dtype):
     """One-token steps and multi-token verifies must agree bit for bit, or a verify could
-    pick another token than plain decoding would (MatMulNBits' one-row kernel differs)."""
+    pick another token than plain decoding would (MatMulNBits' one-row kernel differs), at
+    every KV cache format."""
     for dtype in ("int4", "int8", "fp32"):
-        target = Model(tiny("llama", dtype=dtype)[0]).target
+        target = Model(tiny("llama", dtype=dtype, kv_dtype=kv_dtype)[0]).target
         target.prefill(list(range(3, 40)))
         rows = [7, 9, 11, 13, 15, 17]
         many = target.forward(rows, np.arange(37, 43), causal_mask(6), 37).copy()
@@ -84,9 +86,11 @@ def prompts():
             list(range(4, 70, 3)), [7, 30, 2 + 1, 90, 41]]
 
 
-@pytest.mark.parametrize("arch,dtype", [("llama", "fp32"), ("qwen3", "fp32"), ("llama", "int4")])
-def test_greedy_is_lossless_for_every_drafter(spec_bundle, arch, dtype):
-    model = Model(spec_bundle(arch, dtype))
+@pytest.mark.parametrize("arch,dtype,kv_dtype", [("llama", "fp32", "fp32"), ("qwen3", "fp32", "fp32"),
+                                                 ("llama", "int4", "fp32"), ("llama", "int4", "int8"),
+                                                 ("qwen3", "fp32", "fp16")])
+def test_greedy_is_lossless_for_every_drafter(spec_bundle, arch, dtype, kv_dtype):
+    model = Model(spec_bundle(arch, dtype, kv_dtype))
     assert set(model.drafters) == {"lookup", "self-int8", "self-int8-tree", "draft-lm", "draft-lm-tree"}
     for ids in prompts():
         plain = model.generate(input_ids=ids, max_new_tokens=40, ignore_eos=True)
@@ -131,8 +135,9 @@ def test_tree_side_branches_are_accepted_and_compacted(spec_bundle, monkeypatch)
     assert any(side_taken)
 
 
-def test_stops_at_capacity_without_writing_past_it(spec_bundle):
-    model = Model(spec_bundle())
+@pytest.mark.parametrize("kv_dtype", ["fp32", "fp16", "int8"])
+def test_stops_at_capacity_without_writing_past_it(spec_bundle, kv_dtype):
+    model = Model(spec_bundle(kv_dtype=kv_dtype))
     ids = [5 + i % 4 for i in range(100)]
     plain = model.generate(input_ids=ids, max_new_tokens=29, ignore_eos=True)
     for drafter in ("lookup", "self-int8-tree"):

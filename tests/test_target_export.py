@@ -65,7 +65,7 @@ def test_export_check_and_manifest(tiny):
     bundle, _ = tiny("qwen3")
     info = Model(bundle).bundle
     assert info.export_check["logits"] < 1e-4
-    assert info.kv == {"layers": 4, "kv_heads": 2, "heads": 4, "head_dim": 16}
+    assert info.kv == {"layers": 4, "kv_heads": 2, "heads": 4, "head_dim": 16, "dtype": "fp32"}
     assert info.taps == [1] and info.attention == "custom"  # DFlash's rule, clamped for 4 layers
     assert (bundle / "tokenizer.json").is_file() and (bundle / "chat_template.jinja").is_file()
 
