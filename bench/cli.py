@@ -228,12 +228,17 @@ if __name__ == "__main__":
 def shapes(shapes, out, seed):
     """Write random-weight Hugging Face folders of published shapes (bf16 safetensors, sharded):
     SHAPES among qwen3-0.6b, qwen3-1.7b, qwen3-4b, qwen3-8b, llama-3.2-1b, llama-3.2-3b,
-    llama-3.1-8b (all by default). For speed and memory only: the weights are random."""
-    from .shapes import SHAPES, write_folder
+    llama-3.1-8b (all targets by default), and the drafters qwen3-4b-dflash-b16, qwen3-8b-dflash-b16
+    (z-lab's DFlash layout) and llama-3.1-8b-eagle3 (an EAGLE-3 head). For speed and memory only:
+    the weights are random."""
+    from .shapes import DRAFTERS, SHAPES, write_drafter, write_folder
 
-    for shape in shapes or SHAPES:
-        if shape not in SHAPES:
-            raise click.BadParameter(f"unknown shape {shape!r}; known: {', '.join(SHAPES)}")
+    for shape in shapes:
+        if shape not in SHAPES and shape not in DRAFTERS:
+            raise click.BadParameter(f"unknown shape {shape!r}; known: {', '.join([*SHAPES, *DRAFTERS])}")
     for shape in shapes or SHAPES:
         click.echo(f"writing {out / shape}", err=True)
-        write_folder(shape, out / shape, seed, lambda line: click.echo(line, err=True))
+        if shape in DRAFTERS:
+            write_drafter(shape, out / shape, seed)
+        else:
+            write_folder(shape, out / shape, seed, lambda line: click.echo(line, err=True))

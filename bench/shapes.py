@@ -38,6 +38,13 @@ SHAPES = {
     "llama-3.1-8b": {**LLAMA3, "hidden_size": 4096, "num_hidden_layers": 32, "num_attention_heads": 32,
                      "head_dim": 128, "intermediate_size": 14336, "tie_word_embeddings": False},
 }
+# Published drafters' shapes for those targets: z-lab's DFlash drafters (5 Qwen3 layers of the
+# target's width, block 16, five taps) and an EAGLE-3 head (reference layout, 32k draft vocabulary).
+DRAFTERS = {
+    "qwen3-4b-dflash-b16": {"kind": "dflash", "target": "qwen3-4b", "layers": 5, "taps": [1, 9, 17, 25, 33]},
+    "qwen3-8b-dflash-b16": {"kind": "dflash", "target": "qwen3-8b", "layers": 5, "taps": [1, 9, 17, 25, 33]},
+    "llama-3.1-8b-eagle3": {"kind": "eagle3", "target": "llama-3.1-8b", "taps": [1, 15, 28], "draft_vocab": 32000},
+}
 SHARD_BYTES = 2 << 30
 STD = 0.02  # the weights' spread: the published models' initializer range
 
@@ -107,6 +114,58 @@ def write_folder(shape: str, out: Path, seed: int = 0, progress=print) -> Path:
         (out / old).rename(out / new)
     index = {"metadata": {"total_size": total}, "weight_map": {k: names[v] for k, v in weight_map.items()}}
     (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return out
+
+
+def drafter_tensors(spec: dict, t: dict) -> tuple[dict, dict]:
+    """(config.json, tensor shapes) of the drafter `spec` for the target config `t`."""
+    h, d, inter = t["hidden_size"], t["head_dim"], t["intermediate_size"]
+    q, kv = t["num_attention_heads"] * d, t["num_key_value_heads"] * d
+    layer = {"self_attn.o_proj.weight": (h, q), "mlp.gate_proj.weight": (inter, h), "mlp.up_proj.weight": (inter, h),
+             "mlp.down_proj.weight": (h, inter), "input_layernorm.weight": (h,),
+             "post_attention_layernorm.weight": (h,)}
+    common = {k: t[k] for k in ("hidden_size", "num_attention_heads", "num_key_value_heads", "head_dim",
+                                "intermediate_size", "rms_norm_eps", "rope_theta", "vocab_size", "hidden_act")}
+    if spec["kind"] == "dflash":
+        config = {**common, "architectures": ["DFlashDraftModel"], "model_type": "qwen3",
+                  "num_hidden_layers": spec["layers"], "max_position_embeddings": 40960, "block_size": 16,
+                  "num_target_layers": t["num_hidden_layers"], "attention_bias": False, "tie_word_embeddings": False,
+                  "torch_dtype": "bfloat16",
+                  "dflash_config": {"mask_token_id": t["vocab_size"] - 1, "target_layer_ids": spec["taps"]}}
+        shapes = {"fc.weight": (h, len(spec["taps"]) * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+        for i in range(spec["layers"]):
+            shapes.update({f"layers.{i}.{k}": v for k, v in {
+                **layer, "self_attn.q_proj.weight": (q, h), "self_attn.k_proj.weight": (kv, h),
+                "self_attn.v_proj.weight": (kv, h), "self_attn.q_norm.weight": (d,),
+                "self_attn.k_norm.weight": (d,)}.items()})
+        return config, shapes
+    vd = spec["draft_vocab"]
+    config = {**common, "architectures": ["LlamaForCausalLM"], "model_type": "llama", "num_hidden_layers": 1,
+              "max_position_embeddings": 2048, "draft_vocab_size": vd, "torch_dtype": "bfloat16",
+              "eagle_config": {"eagle_aux_hidden_state_layer_ids": spec["taps"]}}
+    shapes = {f"midlayer.{k}": v for k, v in {
+        **layer, "hidden_norm.weight": (h,), "self_attn.q_proj.weight": (q, 2 * h),
+        "self_attn.k_proj.weight": (kv, 2 * h), "self_attn.v_proj.weight": (kv, 2 * h)}.items()}
+    shapes.update({"fc.weight": (h, 3 * h), "norm.weight": (h,), "lm_head.weight": (vd, h)})
+    return config, shapes
+
+
+def write_drafter(name: str, out: Path, seed: int = 0) -> Path:
+    """A random drafter of a published shape (DRAFTERS) in its checkpoint layout, one bf16 file."""
+    import torch
+    from safetensors.torch import save_file
+
+    spec = DRAFTERS[name]
+    config, shapes = drafter_tensors(spec, SHAPES[spec["target"]])
+    state = {k: random_tensor(k, v, seed * 100003 + j) for j, (k, v) in enumerate(shapes.items())}
+    if spec["kind"] == "eagle3":  # draft id i scores target id 2i (d2t: the offset), every other target id
+        vd, vocab = spec["draft_vocab"], config["vocab_size"]
+        state["d2t"] = torch.arange(0, 2 * vd, 2) - torch.arange(vd)
+        state["t2d"] = torch.zeros(vocab, dtype=torch.bool)
+        state["t2d"][0:2 * vd:2] = True
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
     return out
 
 

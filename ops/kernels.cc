@@ -17,6 +17,7 @@
 #if defined(__x86_64__) && (defined(__GNUC__) || defined(__clang__)) && !defined(DFLASH_NO_SIMD_DISPATCH)
 #define DFLASH_HAVE_X86_DISPATCH 1
 #define DFLASH_HAVE_AVX512 1
+#include <cpuid.h>
 #include <immintrin.h>
 // GCC 12 warns about _mm512_undefined_ps() inside its own intrinsics (a known false positive).
 #pragma GCC diagnostic ignored "-Wmaybe-uninitialized"
@@ -207,40 +208,9 @@ DFLASH_BODY void swiglu_generic(const float* x, int64_t I, float* out) {
   }
 }
 
-// Cache rows widened to float32 (kv_format.h). float16: the bits rebuilt lane-wise (normal
-// values rebias the exponent; subnormals are m * 2^-24, exact in float32). q8: int8 times the
-// block's scale, one rounding, so every path gives the same floats.
-template <class F> struct Narrow;
-template <> struct Narrow<vf4> {
-  typedef uint16_t u16 __attribute__((vector_size(8)));
-  typedef int8_t s8 __attribute__((vector_size(4)));
-};
-template <> struct Narrow<vf8> {
-  typedef uint16_t u16 __attribute__((vector_size(16)));
-  typedef int8_t s8 __attribute__((vector_size(8)));
-};
-template <> struct Narrow<vf16> {
-  typedef uint16_t u16 __attribute__((vector_size(32)));
-  typedef int8_t s8 __attribute__((vector_size(16)));
-};
-
-template <class F> DFLASH_BODY F widen_half_lanes(const uint16_t* h) {
-  typedef typename IntVec<F>::type I;
-  typename Narrow<F>::u16 raw;
-  std::memcpy(&raw, h, sizeof raw);
-  const I x = __builtin_convertvector(raw, I);
-  const I sign = (x & 0x8000) << 16, e = (x >> 10) & 0x1f, m = x & 0x3ff;
-  const I normal = sign | ((e + 112) << 23) | (m << 13);
-  const I special = sign | 0x7f800000 | (m << 13);  // inf, NaN
-  const F tiny = __builtin_convertvector(m, F) * 5.9604644775390625e-08f;  // 2^-24
-  I tiny_bits;
-  std::memcpy(&tiny_bits, &tiny, sizeof tiny_bits);
-  const I bits = e == 0 ? (tiny_bits | sign) : (e == 31 ? special : normal);
-  F out;
-  std::memcpy(&out, &bits, sizeof out);
-  return out;
-}
-
+// Cache rows widened to float32 (kv_format.h), exactly: a float16's bits rebuilt (normal values
+// rebias the exponent; subnormals are m * 2^-24, exact in float32); a q8 value is its int8 times
+// the block's scale, one rounding. The SIMD paths below give the same floats.
 inline float widen_half(uint16_t h) {
   const uint32_t sign = static_cast<uint32_t>(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
   uint32_t bits = sign | ((e + 112) << 23) | (m << 13);
@@ -255,69 +225,19 @@ inline float widen_half(uint16_t h) {
   return out;
 }
 
-template <class F> DFLASH_BODY void widen_f16_generic(const uint16_t* h, int64_t n, float* out) {
-  constexpr int W = sizeof(F) / sizeof(float);
-  int64_t i = 0;
-  for (; i + W <= n; i += W) store(out + i, widen_half_lanes<F>(h + i));
-  for (; i < n; ++i) out[i] = widen_half(h[i]);
+void widen_f16_portable(const uint16_t* h, int64_t n, float* out) {
+  for (int64_t i = 0; i < n; ++i) out[i] = widen_half(h[i]);
 }
 
-template <class F> DFLASH_BODY void widen_q8_generic(const uint8_t* rows, int64_t n_rows, int64_t D, float* out) {
-  constexpr int W = sizeof(F) / sizeof(float);
+void widen_q8_portable(const uint8_t* rows, int64_t n_rows, int64_t D, float* out) {
   const int64_t stride = row_bytes(KvFormat::q8, D);
-  for (int64_t r = 0; r < n_rows; ++r) {
-    const uint8_t* row = rows + r * stride;
-    float* dst = out + r * D;
+  for (int64_t r = 0; r < n_rows; ++r)
     for (int64_t b = 0; b < q8_blocks(D); ++b) {
       float s;
-      std::memcpy(&s, row + D + 4 * b, sizeof s);
-      const int64_t d0 = b * kQ8Block, d1 = std::min(D, d0 + kQ8Block);
-      int64_t d = d0;
-      for (; d + W <= d1; d += W) {
-        typename Narrow<F>::s8 q;
-        std::memcpy(&q, row + d, sizeof q);
-        store(dst + d, __builtin_convertvector(q, F) * s);
-      }
-      for (; d < d1; ++d) dst[d] = static_cast<float>(static_cast<int8_t>(row[d])) * s;
+      std::memcpy(&s, rows + r * stride + D + 4 * b, sizeof s);
+      for (int64_t d = b * kQ8Block; d < std::min(D, (b + 1) * kQ8Block); ++d)
+        out[r * D + d] = static_cast<float>(static_cast<int8_t>(rows[r * stride + d])) * s;
     }
-  }
-}
-
-// Dot products along D (Kernels::scores_dot): W-wide partial sums over the row in order, the
-// last D % W values zero-padded, then lanes l and l^(W/2), l^(W/4), ... added pairwise.
-template <class F> DFLASH_BODY float butterfly_sum(F a) {
-  typedef typename IntVec<F>::type I;
-  constexpr int W = sizeof(F) / sizeof(float);
-  for (int half = W / 2; half >= 1; half /= 2) {
-    I partner;
-    for (int l = 0; l < W; ++l) partner[l] = l ^ half;
-    a = a + __builtin_shuffle(a, partner);
-  }
-  return a[0];
-}
-
-template <class F>
-DFLASH_BODY void scores_dot_generic(const float* q, int64_t V, int64_t Vp, int64_t D, const float* k, int64_t n,
-                                    float* s) {
-  constexpr int W = sizeof(F) / sizeof(float);
-  const int64_t Dw = D / W * W;
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + j * D;
-    float* sj = s + j * Vp;
-    for (int64_t m = 0; m < V; ++m) {
-      const float* qm = q + m * D;
-      F acc = splat<F>(0.0f);
-      for (int64_t d = 0; d < Dw; d += W) acc += load<F>(qm + d) * load<F>(kj + d);
-      if (Dw < D) {
-        float a[W] = {}, b[W] = {};
-        std::memcpy(a, qm + Dw, (D - Dw) * sizeof(float));
-        std::memcpy(b, kj + Dw, (D - Dw) * sizeof(float));
-        acc += load<F>(a) * load<F>(b);
-      }
-      sj[m] = butterfly_sum(acc);
-    }
-    std::fill(sj + V, sj + Vp, 0.0f);
-  }
 }
 
 void scores_portable(const float* qT, int64_t Vp, int64_t D, const float* k, int64_t n, float* s) {
@@ -330,19 +250,13 @@ void accumulate_portable(const float* p, int64_t Vp, int64_t V, int64_t n, const
                          float* acc, const float* alpha) {
   accumulate_generic<vf4>(p, Vp, V, n, v, D, acc, alpha);
 }
-void widen_f16_portable(const uint16_t* h, int64_t n, float* out) { widen_f16_generic<vf4>(h, n, out); }
-void widen_q8_portable(const uint8_t* rows, int64_t n_rows, int64_t D, float* out) {
-  widen_q8_generic<vf4>(rows, n_rows, D, out);
-}
-void scores_dot_portable(const float* q, int64_t V, int64_t Vp, int64_t D, const float* k, int64_t n, float* s) {
-  scores_dot_generic<vf4>(q, V, Vp, D, k, n, s);
-}
-const Kernels kPortable = {"portable", scores_portable, scores_dot_portable, softmax_portable, accumulate_portable,
+const Kernels kPortable = {"portable", scores_portable, softmax_portable, accumulate_portable,
                            widen_f16_portable, widen_q8_portable};
 void swiglu_portable(const float* x, int64_t I, float* out) { swiglu_generic<vf4>(x, I, out); }
 
 #ifdef DFLASH_HAVE_X86_DISPATCH
 #define DFLASH_AVX2 __attribute__((target("avx2,fma")))
+#define DFLASH_F16C __attribute__((target("avx2,fma,f16c")))
 DFLASH_AVX2 void scores_avx2(const float* qT, int64_t Vp, int64_t D, const float* k, int64_t n, float* s) {
   scores_generic<vf8>(qT, Vp, D, k, n, s);
 }
@@ -353,15 +267,33 @@ DFLASH_AVX2 void accumulate_avx2(const float* p, int64_t Vp, int64_t V, int64_t 
                                  float* acc, const float* alpha) {
   accumulate_generic<vf8>(p, Vp, V, n, v, D, acc, alpha);
 }
-DFLASH_AVX2 void widen_f16_avx2(const uint16_t* h, int64_t n, float* out) { widen_f16_generic<vf8>(h, n, out); }
+// The AVX2 path also requires F16C (every AVX2 CPU has it): vcvtph2ps is exact, as widen_half.
+DFLASH_F16C void widen_f16_avx2(const uint16_t* h, int64_t n, float* out) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    _mm256_storeu_ps(out + i, _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + i))));
+  for (; i < n; ++i) out[i] = widen_half(h[i]);
+}
 DFLASH_AVX2 void widen_q8_avx2(const uint8_t* rows, int64_t n_rows, int64_t D, float* out) {
-  widen_q8_generic<vf8>(rows, n_rows, D, out);
+  const int64_t stride = row_bytes(KvFormat::q8, D);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const uint8_t* row = rows + r * stride;
+    float* dst = out + r * D;
+    for (int64_t b = 0; b < q8_blocks(D); ++b) {
+      float s;
+      std::memcpy(&s, row + D + 4 * b, sizeof s);
+      const __m256 scale = _mm256_set1_ps(s);
+      const int64_t d1 = std::min(D, (b + 1) * kQ8Block);
+      int64_t d = b * kQ8Block;
+      for (; d + 8 <= d1; d += 8) {  // 8 int8 -> 8 int32 -> 8 floats, times the block's scale
+        const __m128i q = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(row + d));
+        _mm256_storeu_ps(dst + d, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(q)), scale));
+      }
+      for (; d < d1; ++d) dst[d] = static_cast<float>(static_cast<int8_t>(row[d])) * s;
+    }
+  }
 }
-DFLASH_AVX2 void scores_dot_avx2(const float* q, int64_t V, int64_t Vp, int64_t D, const float* k, int64_t n,
-                                 float* s) {
-  scores_dot_generic<vf8>(q, V, Vp, D, k, n, s);
-}
-const Kernels kAvx2 = {"avx2", scores_avx2, scores_dot_avx2, softmax_avx2, accumulate_avx2, widen_f16_avx2,
+const Kernels kAvx2 = {"avx2", scores_avx2, softmax_avx2, accumulate_avx2, widen_f16_avx2,
                        widen_q8_avx2};
 DFLASH_AVX2 void swiglu_avx2(const float* x, int64_t I, float* out) { swiglu_generic<vf8>(x, I, out); }
 #endif
@@ -518,34 +450,25 @@ DFLASH_AVX512 void widen_f16_avx512(const uint16_t* h, int64_t n, float* out) {
   for (; i < n; ++i) out[i] = widen_half(h[i]);
 }
 DFLASH_AVX512 void widen_q8_avx512(const uint8_t* rows, int64_t n_rows, int64_t D, float* out) {
-  widen_q8_generic<vf16>(rows, n_rows, D, out);
-}
-// Kernels::scores_dot: 16-wide partial sums (the tail masked to zeros), then the butterfly:
-// 256-bit halves, 128-bit quarters, pairs, neighbours.
-DFLASH_AVX512 void scores_dot_avx512(const float* q, int64_t V, int64_t Vp, int64_t D, const float* k, int64_t n,
-                                     float* s) {
-  const int64_t D16 = D / 16 * 16;
-  const __mmask16 tail = static_cast<__mmask16>((1u << (D - D16)) - 1u);
-  for (int64_t j = 0; j < n; ++j) {
-    const float* kj = k + j * D;
-    float* sj = s + j * Vp;
-    for (int64_t m = 0; m < V; ++m) {
-      const float* qm = q + m * D;
-      __m512 acc = _mm512_setzero_ps();
-      for (int64_t d = 0; d < D16; d += 16) acc = _mm512_fmadd_ps(_mm512_loadu_ps(qm + d), _mm512_loadu_ps(kj + d), acc);
-      if (D16 < D)
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(tail, qm + D16), _mm512_maskz_loadu_ps(tail, kj + D16), acc);
-      acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, _MM_SHUFFLE(1, 0, 3, 2)));
-      acc = _mm512_add_ps(acc, _mm512_shuffle_f32x4(acc, acc, _MM_SHUFFLE(2, 3, 0, 1)));
-      acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, _MM_SHUFFLE(1, 0, 3, 2)));
-      acc = _mm512_add_ps(acc, _mm512_permute_ps(acc, _MM_SHUFFLE(2, 3, 0, 1)));
-      sj[m] = _mm512_cvtss_f32(acc);
+  const int64_t stride = row_bytes(KvFormat::q8, D);
+  for (int64_t r = 0; r < n_rows; ++r) {
+    const uint8_t* row = rows + r * stride;
+    float* dst = out + r * D;
+    for (int64_t b = 0; b < q8_blocks(D); ++b) {
+      float s;
+      std::memcpy(&s, row + D + 4 * b, sizeof s);
+      const __m512 scale = _mm512_set1_ps(s);
+      const int64_t d1 = std::min(D, (b + 1) * kQ8Block);
+      int64_t d = b * kQ8Block;
+      for (; d + 16 <= d1; d += 16) {  // 16 int8 -> 16 int32 -> 16 floats, times the block's scale
+        const __m128i q = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + d));
+        _mm512_storeu_ps(dst + d, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(q)), scale));
+      }
+      for (; d < d1; ++d) dst[d] = static_cast<float>(static_cast<int8_t>(row[d])) * s;
     }
-    std::fill(sj + V, sj + Vp, 0.0f);
   }
 }
-
-const Kernels kAvx512 = {"avx512", scores_avx512, scores_dot_avx512, softmax_avx512, accumulate_avx512,
+const Kernels kAvx512 = {"avx512", scores_avx512, softmax_avx512, accumulate_avx512,
                          widen_f16_avx512, widen_q8_avx512};
 DFLASH_AVX512 void swiglu_avx512(const float* x, int64_t I, float* out) { swiglu_generic<vf16>(x, I, out); }
 #endif  // DFLASH_HAVE_AVX512
@@ -557,7 +480,9 @@ const Kernels& portable_kernels() { return kPortable; }
 const Kernels* avx2_kernels() {
 #ifdef DFLASH_HAVE_X86_DISPATCH
   __builtin_cpu_init();  // harmless if libgcc's constructor already ran
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &kAvx2;
+  unsigned eax = 0, ebx = 0, ecx = 0, edx = 0;
+  const bool f16c = __get_cpuid(1, &eax, &ebx, &ecx, &edx) && (ecx & bit_F16C) != 0;
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && f16c) return &kAvx2;
 #endif
   return nullptr;
 }

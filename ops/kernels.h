@@ -23,11 +23,6 @@ struct Kernels {
   const char* name;
   // s[j][m] = sum_d qT[d][m] * k[j][d]   for j < n <= kKeyBlock, m < Vp
   void (*scores)(const float* qT, int64_t Vp, int64_t D, const float* k, int64_t n, float* s);
-  // The same from query rows q [V][D] (not transposed), s[j][m] = 0 for V <= m < Vp: each score a
-  // dot product along D, SIMD-wide partial sums then a fixed butterfly, so its bits depend on
-  // its own query and key row only. No padding lanes are computed: for a few query vectors
-  // (plain decoding: one row, H/Hkv vectors) it does a fraction of `scores`' work.
-  void (*scores_dot)(const float* q, int64_t V, int64_t Vp, int64_t D, const float* k, int64_t n, float* s);
   // One online-softmax step in base 2, per lane m (masked scores are -inf):
   //   m_new = max(m_run, max_j s[j][m]); alpha[m] = 2^(m_run - m_new);
   //   s[j][m] = 2^(s[j][m] - m_new); l_run = l_run * alpha + sum_j s[j][m]; m_run = m_new.

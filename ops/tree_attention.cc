@@ -38,8 +38,10 @@
 // an item runs all H/Hkv query heads of its kv head together so each K/V row is loaded once per
 // group, in blocks of kKeyBlock rows with a one-pass online softmax. Items run on ORT's intra-op
 // thread pool (KernelContext_ParallelFor). When the key range is split into chunks, a second
-// parallel pass merges the partial softmax results. The inner loops (kernels.cc) come in AVX-512,
-// AVX2 and portable versions, picked when the session creates the kernel.
+// parallel pass merges the partial softmax results. A float16 or q8 cache's rows are widened to
+// float32 a key block at a time (exactly) and go through the same loops. The inner loops
+// (kernels.cc) come in AVX-512, AVX2 and portable versions, picked when the session creates the
+// kernel.
 
 #include <algorithm>
 #include <cmath>
@@ -129,27 +131,6 @@ struct Plan {
   // row of the block holding row `past`: the rows below it are whole blocks of cache rows.
   const uint8_t* regroup;
   int64_t tail_begin;
-  bool dot;  // scores as dot products of query rows (S <= kDotRows), else from transposed queries
-};
-
-// Calls of up to this many query rows (the runtime's largest, its MAX_ROWS) score keys with
-// Kernels::scores_dot: plain decoding and every verify then compute a query row's scores alike
-// (the property losslessness rests on), without the padding lanes that make `scores` cost
-// 16/(H/Hkv) times the useful work for one row. Longer calls (the op used directly) take the
-// transposed-query kernel, faster when the lanes are full.
-constexpr int64_t kDotRows = 64;
-
-// The scores of an item's query vectors against n key rows: s [n][Vp].
-struct Scorer {
-  const Plan& p;
-  const float* q;  // p.dot: rows [V][D]; else transposed [D][Vp]
-  int64_t V, Vp;
-  void operator()(const float* k, int64_t n, float* s) const {
-    if (p.dot)
-      p.kern->scores_dot(q, V, Vp, p.D, k, n, s);
-    else
-      p.kern->scores(q, Vp, p.D, k, n, s);
-  }
 };
 
 // Work decomposition. Query vectors of one kv head are grouped up to ~64 per item (the K/V rows
@@ -216,7 +197,7 @@ thread_local Scratch key_rows, value_rows;
 // after the softmax, each rank's weights go back to the rows they came from and the new value rows
 // are summed in row order, which for every lane is its rank order. Every step is lane-wise, so a
 // lane gets the bits plain decoding gives it.
-void ranked_blocks(const Plan& p, int64_t g, int64_t c, int64_t i0, int64_t i1, const Scorer& score, int64_t Vp,
+void ranked_blocks(const Plan& p, int64_t g, int64_t c, int64_t i0, int64_t i1, const float* qT, int64_t Vp,
                    float* s, float* m_run, float* l_run, float* acc, float* alpha) {
   static thread_local Scratch scratch;
   static thread_local std::vector<int64_t> kth, seen;  // kth[r * Skv + k]: the k-th new row row i0 + r sees
@@ -242,14 +223,14 @@ void ranked_blocks(const Plan& p, int64_t g, int64_t c, int64_t i0, int64_t i1, 
   std::fill(ones, ones + Vp, 1.0f);
   for (int64_t j = 0; j < nj; j += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, nj - j);
-    score(cache_rows(p, p.kc, g, p.past + j_first + j, n, key_rows), n, snew + j * Vp);
+    p.kern->scores(qT, Vp, D, cache_rows(p, p.kc, g, p.past + j_first + j, n, key_rows), n, snew + j * Vp);
   }
 
   const float neg_inf = -std::numeric_limits<float>::infinity();
   for (int64_t r0 = r_begin; r0 < r_end; r0 += kKeyBlock) {  // r_begin is a multiple of kKeyBlock
     const int64_t nc = std::max<int64_t>(0, std::min(p.past, r0 + kKeyBlock) - r0);  // cache rows
     const int64_t k0 = std::max(r0, p.past) - p.past, k1 = std::min(r0 + kKeyBlock, r_end) - p.past;
-    if (nc > 0) score(cache_rows(p, p.kc, g, r0, nc, key_rows), nc, s);
+    if (nc > 0) p.kern->scores(qT, Vp, D, cache_rows(p, p.kc, g, r0, nc, key_rows), nc, s);
     std::fill(s + nc * Vp, s + (nc + k1 - k0) * Vp, neg_inf);
     int64_t j_last = k0;  // new rows k0 .. j_last-1 hold this block's ranks
     for (int64_t r = 0; r < i1 - i0; ++r)
@@ -291,14 +272,12 @@ void run_item(const Plan& p, int64_t item) {
   float* alpha = l_run + Vp;
 
   // Query vectors of rows i0..i1-1, heads g*G..g*G+G-1 are contiguous in q: row i's G heads
-  // start at q + i*H*D + g*G*D. Scaled into rows [V][D] (p.dot), or transposed into the lanes of qT.
+  // start at q + i*H*D + g*G*D. Transpose them into the lanes of qT.
   for (int64_t v = 0; v < V; ++v) {
     const float* src = p.q + (i0 + v / G) * H * D + (g * G + v % G) * D;
-    for (int64_t d = 0; d < D; ++d) (p.dot ? qT[v * D + d] : qT[d * Vp + v]) = src[d] * p.qscale;
+    for (int64_t d = 0; d < D; ++d) qT[d * Vp + v] = src[d] * p.qscale;
   }
-  if (!p.dot)
-    for (int64_t d = 0; d < D; ++d) std::fill(qT + d * Vp + V, qT + (d + 1) * Vp, 0.0f);
-  const Scorer score{p, qT, V, Vp};
+  for (int64_t d = 0; d < D; ++d) std::fill(qT + d * Vp + V, qT + (d + 1) * Vp, 0.0f);
   std::fill(m_run, m_run + Vp, -std::numeric_limits<float>::infinity());
   std::fill(l_run, l_run + Vp, 0.0f);
   std::fill(acc, acc + V * D, 0.0f);
@@ -320,7 +299,7 @@ void run_item(const Plan& p, int64_t item) {
     const int64_t n = std::min(kKeyBlock, t_end - t0);
     const int64_t j_begin = std::max(t0, p.past);  // first new (masked) key row in this block
     if (j_begin >= t0 + n) {
-      score(cache_rows(p, p.kc, g, t0, n, key_rows), n, s);
+      p.kern->scores(qT, Vp, D, cache_rows(p, p.kc, g, t0, n, key_rows), n, s);
     } else {
       // The block holds new rows: skip it if no row of this group may see any of them.
       bool any = t0 < p.past;
@@ -329,7 +308,7 @@ void run_item(const Plan& p, int64_t item) {
         for (int64_t t = j_begin; t < t0 + n; ++t) any |= mrow[t - p.past] != 0;
       }
       if (!any) continue;
-      score(cache_rows(p, p.kc, g, t0, n, key_rows), n, s);
+      p.kern->scores(qT, Vp, D, cache_rows(p, p.kc, g, t0, n, key_rows), n, s);
       // Masked (query row, new key) pairs get -inf, for all G heads of the row (lanes r*G .. r*G+G-1).
       const float neg_inf = -std::numeric_limits<float>::infinity();
       for (int64_t i = i0; i < i1; ++i) {
@@ -342,7 +321,7 @@ void run_item(const Plan& p, int64_t item) {
     p.kern->softmax(s, n, Vp, m_run, l_run, alpha);
     p.kern->accumulate(s, Vp, V, n, cache_rows(p, p.vc, g, t0, n, value_rows), D, acc, alpha);
   }
-  if (by_rank) ranked_blocks(p, g, c, i0, i1, score, Vp, s, m_run, l_run, acc, alpha);
+  if (by_rank) ranked_blocks(p, g, c, i0, i1, qT, Vp, s, m_run, l_run, acc, alpha);
 
   if (p.n_chunks == 1) {
     for (int64_t v = 0; v < V; ++v) {
@@ -461,7 +440,6 @@ void attend(OrtKernelContext* context, const Kernels* kern, const float* q, cons
     plan.T = past + Skv;
     plan.qscale = scale * 1.4426950408889634f;  // log2(e): the softmax works in base 2
     plan.kern = kern;
-    plan.dot = S <= kDotRows;
     make_plan(plan);
     uint8_t* rows = regroup.data() + b * S;
     for (int64_t i = 0; i < S; ++i) {
