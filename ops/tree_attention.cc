@@ -53,6 +53,7 @@
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "kernels.h"
@@ -394,10 +395,25 @@ KvFormat cache_format(const Ort::ConstValue& key_cache, const Ort::ConstValue& v
   }
 }
 
-void check_present_type(const Ort::UnownedValue& present, const Ort::ConstValue& cache, const char* what) {
-  const auto have = present.GetTensorTypeAndShapeInfo().GetElementType();
-  const auto want = cache.GetTensorTypeAndShapeInfo().GetElementType();
-  if (have != want) fail(what, " is ", dtype_name(have), " but its cache input is ", dtype_name(want));
+// Outputs 1 and 2, the present caches of shape `shape` (rows of `row` bytes): of their caches'
+// type, and holding them: nothing to do when IOBinding gave the same buffers, else copied over.
+std::pair<uint8_t*, uint8_t*> present_caches(OrtKernelContext* context, Ort::KernelContext& ctx,
+                                             const Ort::ConstValue& key_cache, const Ort::ConstValue& value_cache,
+                                             const std::vector<int64_t>& shape, int64_t row, const char* prefix) {
+  uint8_t* present[2];
+  const Ort::ConstValue* caches[2] = {&key_cache, &value_cache};
+  for (int i = 0; i < 2; ++i) {
+    auto value = ctx.GetOutput(1 + i, shape);
+    const auto have = value.GetTensorTypeAndShapeInfo().GetElementType();
+    const auto want = caches[i]->GetTensorTypeAndShapeInfo().GetElementType();
+    if (have != want)
+      fail(prefix, i ? "present_value is " : "present_key is ", dtype_name(have), " but its cache input is ",
+           dtype_name(want));
+    present[i] = static_cast<uint8_t*>(value.GetTensorMutableRawData());
+    copy_cache(context, static_cast<const uint8_t*>(caches[i]->GetTensorRawData()), present[i], shape[0] * shape[1],
+               static_cast<size_t>(shape[2] * row));
+  }
+  return {present[0], present[1]};
 }
 
 // Attention of B sequences at once. Sequence b: S query rows (q + b*S*H*D, unscaled) over its cache
@@ -592,20 +608,9 @@ struct TreeAttentionKernel : AttentionKernelBase {
     if (mshape.size() != 2 || mshape[0] != S || mshape[1] != Skv)
       fail("mask must have shape [S, S_kv] = [", S, ", ", Skv, "], got ", shape_str(mshape));
 
-    auto out_v = ctx.GetOutput(0, qshape);
-    auto pk_v = ctx.GetOutput(1, kcshape);
-    auto pv_v = ctx.GetOutput(2, vcshape);
-    check_present_type(pk_v, key_cache, "present_key");
-    check_present_type(pv_v, value_cache, "present_value");
-    float* out = out_v.GetTensorMutableData<float>();
-    uint8_t* pk = static_cast<uint8_t*>(pk_v.GetTensorMutableRawData());
-    uint8_t* pv = static_cast<uint8_t*>(pv_v.GetTensorMutableRawData());
-
-    // present = cache: nothing to do when IOBinding gave us the same buffer, else copy it over.
+    float* out = ctx.GetOutput(0, qshape).GetTensorMutableData<float>();
+    const auto [pk, pv] = present_caches(context, ctx, key_cache, value_cache, kcshape, row_bytes(kv, D), "");
     const int64_t rb = row_bytes(kv, D);
-    const size_t per_head = static_cast<size_t>(C * rb);
-    copy_cache(context, static_cast<const uint8_t*>(key_cache.GetTensorRawData()), pk, B * Hkv, per_head);
-    copy_cache(context, static_cast<const uint8_t*>(value_cache.GetTensorRawData()), pv, B * Hkv, per_head);
 
     // Write the new rows: sequence b's key row j, kv head g -> its present row past_b + j of head g.
     const float* knew = key.GetTensorData<float>();
@@ -756,18 +761,9 @@ struct PackedTreeAttentionKernel : AttentionKernelBase {
       if (pos[j] < 0 || pos[j] >= cshape[0])
         fail("packed: position_ids[", j, "] = ", pos[j], " is outside the rotary tables (", cshape[0], " positions)");
 
-    auto out_v = ctx.GetOutput(0, {B, S, H * D});
-    auto pk_v = ctx.GetOutput(1, kcshape);
-    auto pv_v = ctx.GetOutput(2, kcshape);
-    check_present_type(pk_v, key_cache, "packed: present_key");
-    check_present_type(pv_v, value_cache, "packed: present_value");
-    float* out = out_v.GetTensorMutableData<float>();
-    uint8_t* pk = static_cast<uint8_t*>(pk_v.GetTensorMutableRawData());
-    uint8_t* pv = static_cast<uint8_t*>(pv_v.GetTensorMutableRawData());
+    float* out = ctx.GetOutput(0, {B, S, H * D}).GetTensorMutableData<float>();
+    const auto [pk, pv] = present_caches(context, ctx, key_cache, value_cache, kcshape, row_bytes(kv, D), "packed: ");
     const int64_t rb = row_bytes(kv, D);
-    const size_t per_head = static_cast<size_t>(C * rb);
-    copy_cache(context, static_cast<const uint8_t*>(key_cache.GetTensorRawData()), pk, B * Hkv, per_head);
-    copy_cache(context, static_cast<const uint8_t*>(value_cache.GetTensorRawData()), pv, B * Hkv, per_head);
 
     // Rotate q into scratch; rotate k and store k and v into their cache rows (row j of sequence
     // b is row b*S + j of qkv and of q).
