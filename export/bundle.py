@@ -21,8 +21,11 @@ class DiskFullError(OSError):
 
 
 def disk_full(error: BaseException, out: Path) -> DiskFullError | None:
-    """A clear DiskFullError for a write that failed with ENOSPC/EDQUOT, else None."""
-    if not (isinstance(error, OSError) and error.errno in (errno.ENOSPC, errno.EDQUOT)):
+    """A clear DiskFullError for a write that failed with ENOSPC/EDQUOT, else None. (numpy's
+    `tofile`, which the ONNX exporter saves weights with, raises a bare OSError without errno.)"""
+    if not isinstance(error, OSError):
+        return None
+    if error.errno not in (errno.ENOSPC, errno.EDQUOT) and "Not enough free space" not in str(error):
         return None
     where = next(p for p in (out, *out.parents) if p.exists())
     free = shutil.disk_usage(where).free / 2**20

@@ -137,7 +137,7 @@ def bundles_in(folder):
     return sorted(str(p.parent.relative_to(folder)) for p in folder.rglob("dflash.json"))
 
 
-@pytest.mark.parametrize("when", ["writing the graph", "writing the manifest"])
+@pytest.mark.parametrize("when", ["writing the graph", "writing the graph (numpy)", "writing the manifest"])
 def test_disk_full_mid_export(tmp_path, monkeypatch, when):
     """The disk fills up part way: one clear message naming the disk and the folder; no
     partial folder left, and an existing bundle being overwritten is left as it was."""
@@ -153,9 +153,11 @@ def test_disk_full_mid_export(tmp_path, monkeypatch, when):
     (out / "dflash.json").write_text('{"old": true}')  # the bundle --overwrite would replace
 
     def no_space(*args, **kwargs):
+        if when.endswith("(numpy)"):  # numpy's tofile, with which the ONNX exporter saves weights: no errno
+            raise OSError("Not enough free space to write 99614720 bytes after offset 5064229376")
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    if when == "writing the graph":
+    if when.startswith("writing the graph"):
         def partial_graph(model, taps, max_len, attention, path, batched=False):
             path.write_bytes(b"onnx")
             path.with_name(path.name + ".data").write_bytes(b"\0" * 100_000)
