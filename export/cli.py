@@ -198,7 +198,7 @@ def export_target(src, out, dtype="fp32", max_len=4096, taps="auto", attention="
         if streamed:
             from .stream import compare
 
-            diff = compare(folder, config, refs, dtype, matmul)
+            diff = compare(folder, config, refs, matmul)
         else:
             diff = check_target(source.model, tap_ids, folder, plan=plan)
         verdict = "passed" if diff["passed"] else "FAILED"

@@ -450,7 +450,7 @@ def export_streamed(folder_src: Path, config, taps, max_len: int, folder: Path, 
     return writer.path.name, (ref_logits, ref_taps)
 
 
-def compare(bundle: Path, config, refs, dtype: str, matmul: str | None) -> dict:
+def compare(bundle: Path, config, refs, matmul: str | None) -> dict:
     """Run the bundle's target graph in ONNX Runtime on the check's inputs and bound its distance
     from the reference as export/check.py's check_target does."""
     from .check import bounds, run_checked
